@@ -1,0 +1,208 @@
+"""The jit codec: quality against theory, edge values, jit/vmap use, compilation counts."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tq_jax
+from tq_jax import blob, codebook, codec
+
+W1 = (2, 32, 256, 8, 128)  # one LLaMA-3-8B LMCache chunk, per head
+
+
+def cosine(a, b):
+    a = np.asarray(a, np.float32).reshape(-1, a.shape[-1])
+    b = np.asarray(b, np.float32).reshape(-1, b.shape[-1])
+    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+@pytest.fixture(scope="module")
+def w1():
+    return np.random.default_rng(0).standard_normal(W1, np.float32).astype(jnp.bfloat16)
+
+
+@pytest.mark.parametrize("bits,floor", [(4, 0.9950), (3, 0.9826), (2, 0.9400)])
+def test_quality_on_gaussian_w1(w1, bits, floor):
+    out = tq_jax.loads(tq_jax.dumps(w1, bits=bits))
+    assert out.dtype == jnp.bfloat16 and out.shape == W1
+    assert cosine(out, w1).mean() >= floor
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5])
+def test_unit_vector_mse_matches_lloyd_max_theory(bits):
+    d, n = 128, 16384
+    x = np.random.default_rng(bits).standard_normal((n, d)).astype(np.float32)
+    u = x / np.linalg.norm(x, axis=1, keepdims=True)
+    cfg = tq_jax.CodecConfig(d, bits)
+    u_hat = np.asarray(tq_jax.decode(tq_jax.encode(u, cfg), cfg))
+    mse = np.mean((u_hat - u) ** 2)  # rotation is orthogonal: same MSE as in rotated space
+    theory = codebook.expected_mse(d, bits)
+    assert abs(mse / theory - 1) <= 0.02, (mse, theory)
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_indices_are_nearest_centroid(bits):
+    # Independent expectation: argmin |y - c| on the rotated unit vectors (small batch).
+    d = 64
+    x = np.random.default_rng(bits).standard_normal((64, d)).astype(np.float32)
+    t = codec.tables(tq_jax.CodecConfig(d, bits))
+    y = (x / (np.linalg.norm(x, axis=1, keepdims=True) + 1e-10)) @ t.rotation.T
+    want = np.abs(y[..., None] - t.centroids).argmin(-1)
+    idx, _ = codec.encode_indices(x, t.rotation, t.boundaries, None if t.grid is None else t.grid)
+    assert (np.asarray(idx) == want).mean() >= 0.999
+
+
+def test_zero_vectors_decode_to_exact_zeros():
+    x = np.random.default_rng(1).standard_normal((4, 6, 64)).astype(np.float32)
+    x[1, 2] = 0
+    x[3] = 0
+    for bits in (2, 4, 8):
+        out = np.asarray(tq_jax.loads(tq_jax.dumps(x, bits=bits)))
+        assert np.all(out[1, 2] == 0) and np.all(out[3] == 0)
+        assert np.all(np.isfinite(out))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_vector_stays_non_finite_and_isolated(bad):
+    x = np.random.default_rng(2).standard_normal((5, 64)).astype(np.float32)
+    clean = np.asarray(tq_jax.loads(tq_jax.dumps(x, bits=4)))
+    x[2, 7] = bad
+    out = np.asarray(tq_jax.loads(tq_jax.dumps(x, bits=4)))
+    assert not np.all(np.isfinite(out[2]))
+    others = [0, 1, 3, 4]
+    np.testing.assert_array_equal(out[others], clean[others])
+
+
+def test_norm_overflow_is_an_error_with_the_facts():
+    x = np.random.default_rng(3).standard_normal((10, 64)).astype(np.float32)
+    x[[2, 5]] *= 1e5
+    with pytest.raises(tq_jax.NormOverflowError, match=r"2 of 10 vectors.*largest: .*version 2"):
+        tq_jax.dumps(x, bits=4)
+    buf = bytearray(tq_jax.serialized_size(x.shape, "float32", 4))
+    with pytest.raises(tq_jax.NormOverflowError):
+        tq_jax.dump_into(x, buf, bits=4)
+    assert buf == bytearray(len(buf))  # nothing written
+
+
+def test_jit_parity_and_user_jit_vmap():
+    cfg = tq_jax.CodecConfig(64, 3, seed=9)
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((3, 5, 64)), jnp.float32)
+    t = codec.tables(cfg)
+    # Un-jitted private implementation vs the jitted public function.
+    with jax.disable_jit():
+        idx, norms = codec.encode_indices(x, t.rotation, t.boundaries, t.grid)
+        eager = tq_jax.encode(x, cfg)
+    jitted = tq_jax.encode(x, cfg)
+    np.testing.assert_array_equal(np.asarray(eager.packed), np.asarray(jitted.packed))
+    np.testing.assert_allclose(np.asarray(eager.norms), np.asarray(jitted.norms), rtol=1e-6)
+    np.testing.assert_array_equal(
+        np.asarray(jitted.packed), np.asarray(tq_jax.encode(x, cfg).packed)
+    )
+    # Inside the user's own jit and vmap.
+    roundtrip = jax.jit(lambda a: tq_jax.decode(tq_jax.encode(a, cfg), cfg, jnp.bfloat16))
+    out = roundtrip(x)
+    assert out.dtype == jnp.bfloat16 and out.shape == x.shape
+    vm = jax.vmap(lambda a: tq_jax.encode(a, cfg))(x)
+    np.testing.assert_array_equal(np.asarray(vm.packed), np.asarray(jitted.packed))
+    assert cosine(out, x).mean() > 0.97
+
+
+def test_packed_rows_concatenate_to_the_wire_stream():
+    x = np.random.default_rng(5).standard_normal((2, 9, 96)).astype(np.float32)
+    cfg = tq_jax.CodecConfig(96, 6)
+    rows = np.asarray(tq_jax.encode(x, cfg).packed)
+    assert rows.tobytes() == tq_jax.parse(tq_jax.dumps(x, bits=6)).indices.tobytes()
+
+
+def test_second_call_does_not_recompile():
+    x = np.random.default_rng(6).standard_normal((3, 40, 64)).astype(np.float32)
+    b = tq_jax.dumps(x, bits=4)
+    tq_jax.loads(b)
+    enc, dec = blob._encode_block._cache_size(), blob._decode_block._cache_size()
+    for _ in range(3):
+        b = tq_jax.dumps(x, bits=4)
+        tq_jax.loads(b)
+    assert blob._encode_block._cache_size() == enc
+    assert blob._decode_block._cache_size() == dec
+    cfg = tq_jax.CodecConfig(64, 4)
+    tq_jax.encode(x, cfg)
+    n = codec._encode._cache_size()
+    tq_jax.encode(x + 1, cfg)
+    tq_jax.encode(x, tq_jax.CodecConfig(64, 4, seed=1))  # seed is data, not a static arg
+    assert codec._encode._cache_size() == n
+
+
+def test_chunk_stream_compiles_a_bounded_number_of_programs():
+    # LMCache-style chunks [2, L, T, H, D] for every token count T = 1..256.
+    before = blob._encode_block._cache_size()
+    shapes = set()
+    for t in range(1, 257):
+        x = np.zeros((2, 2, t, 2, 64), jnp.bfloat16)
+        x[..., 0] = 1
+        tq_jax.dumps(x, bits=2)
+        shapes.add(blob.bucket(2 * 2 * t * 2))
+    compiled = blob._encode_block._cache_size() - before
+    # 256 distinct lengths (8..2048 vectors) -> one program per bucket: 17 here.
+    assert compiled <= len(shapes) <= 17
+
+
+def test_bucket_sizes():
+    assert [blob.bucket(n) for n in (1, 8, 9, 16, 17, 24, 25, 33, 49, 100, 8192)] == [
+        8, 8, 16, 16, 24, 24, 32, 48, 64, 128, 8192
+    ]
+    for n in range(1, 5000):
+        b = blob.bucket(n)
+        assert b >= n and b % 8 == 0 and (b <= 16 or b <= 1.5 * n)
+
+
+@pytest.mark.parametrize("block", [8, 24, 64, 1000])
+@pytest.mark.parametrize("dim,bits", [(64, 3), (13, 3), (7, 6), (5, 2)])
+def test_blocking_does_not_change_bytes(block, dim, bits):
+    # dim*bits not a multiple of 8 (13*3, 7*6, 5*2) exercises the flat stream across blocks.
+    x = np.random.default_rng(dim).standard_normal((203, dim)).astype(np.float32)
+    one = tq_jax.dumps(x, bits=bits, block_vectors=1 << 20)
+    assert tq_jax.dumps(x, bits=bits, block_vectors=block) == one
+    # Decoded values may differ in the last float32 bit: XLA picks its matmul kernel
+    # by shape, and the summation order with it.
+    np.testing.assert_allclose(
+        np.asarray(tq_jax.loads(one, block_vectors=block)), np.asarray(tq_jax.loads(one)), atol=2e-6
+    )
+
+
+def test_dtypes_and_load_into():
+    x = np.random.default_rng(7).standard_normal((2, 3, 4, 64)).astype(np.float16)
+    b = tq_jax.dumps(x, bits=4)
+    assert tq_jax.loads(b).dtype == jnp.float16
+    assert tq_jax.loads(b, dtype=jnp.float32).dtype == jnp.float32
+    out = np.empty((2, 3, 256), np.float32)  # [.., H*D] receives [.., H, D]
+    tq_jax.load_into(b, out)
+    np.testing.assert_allclose(out.reshape(x.shape), np.asarray(tq_jax.loads(b, dtype=jnp.float32)))
+    with pytest.raises(ValueError, match="same number of values"):
+        tq_jax.load_into(b, np.empty((2, 3, 255), np.float32))
+    with pytest.raises(ValueError, match="floating"):
+        tq_jax.loads(b, dtype=jnp.int32)
+
+
+def test_bad_inputs_say_how_to_fix():
+    with pytest.raises(ValueError, match="one of \\(2, 3, 4, 6, 8\\).*version 1"):
+        tq_jax.dumps(np.zeros((2, 64), np.float32), bits=5)
+    with pytest.raises(ValueError, match="bfloat16, float16 or float32"):
+        tq_jax.dumps(np.zeros((2, 64), np.float64), bits=4)
+    with pytest.raises(ValueError, match="head_dim >= 2"):
+        tq_jax.dumps(np.zeros((2, 1), np.float32), bits=4)
+    with pytest.raises(ValueError, match="needs 1"):
+        tq_jax.dump_into(np.zeros((2, 64), np.float32), bytearray(10), bits=4)
+    with pytest.raises(ValueError, match="`bits` must be an int in 1..8"):
+        tq_jax.CodecConfig(64, 9)
+    with pytest.raises(ValueError, match="last axis must be dim=64"):
+        tq_jax.encode(jnp.zeros((3, 32)), tq_jax.CodecConfig(64, 4))
+
+
+def test_dump_into_writes_exact_size():
+    x = np.random.default_rng(8).standard_normal((3, 5, 64)).astype(np.float32)
+    need = tq_jax.serialized_size(x.shape, "float32", 3)
+    buf = np.zeros(need + 10, np.uint8)
+    assert tq_jax.dump_into(x, buf, bits=3) == need
+    assert buf[:need].tobytes() == tq_jax.dumps(x, bits=3)
+    assert not buf[need:].any()
