@@ -128,6 +128,16 @@ def _host_view(x) -> np.ndarray:
     raise TypeError(f"expected a numpy or jax array, got {type(x).__name__}")
 
 
+def _device_list(device) -> list:
+    """``None`` (JAX's default device), one device, or a sequence of devices."""
+    if device is None or isinstance(device, jax.Device):
+        return [device]
+    devices = list(device)
+    if not devices or not all(isinstance(d, jax.Device) for d in devices):
+        raise ValueError(f"device must be a jax.Device, a non-empty sequence of them, or None; got {device!r}")
+    return devices
+
+
 def _pad_rows(a: np.ndarray, rows: int) -> np.ndarray:
     if a.shape[0] == rows:
         return a
@@ -178,15 +188,17 @@ def _encode_sections(x, bits, seed, block_vectors, device):
     dim = shape[-1]
     n_vec = math.prod(shape[:-1])
     cfg = _codec.CodecConfig(dim, bits, seed)
-    rot, _, bnd, grid = _codec.device_tables(cfg, device)
+    devices = _device_list(device)
+    tabs = [_codec.device_tables(cfg, d) for d in devices]
     flat = np.ascontiguousarray(host).reshape(n_vec, dim)
     block = _block_vectors(dim, block_vectors)
 
     pending = []
-    for start in range(0, n_vec, block):
+    for i, start in enumerate(range(0, n_vec, block)):
         nb = min(block, n_vec - start)
         rows = block if nb == block else bucket(nb)
-        xb = jax.device_put(_pad_rows(flat[start : start + nb], rows), device)
+        rot, _, bnd, grid = tabs[i % len(devices)]
+        xb = jax.device_put(_pad_rows(flat[start : start + nb], rows), devices[i % len(devices)])
         pending.append((nb, _encode_block(xb, nb, rot, bnd, grid, bits=bits)))
 
     norms = np.empty(n_vec, np.float32)
@@ -234,7 +246,9 @@ def dumps(x, *, bits: int, seed: int = 42, block_vectors: int | None = None, dev
         bits: 2, 3, 4, 6 or 8 bits per coordinate.
         seed: rotation seed (stored as int32; only the low 32 bits matter).
         block_vectors: vectors per kernel call (default: ~2**20 coordinates).
-        device: JAX device to compute on (default: JAX's default device).
+        device: JAX device to compute on (default: JAX's default device), or a
+            sequence of devices that take blocks in turn; the bytes do not depend
+            on how many devices share the work.
 
     Returns:
         The blob; its length is :func:`tq_jax.serialized_size` of the layout.
@@ -287,19 +301,23 @@ def _decode_parsed(p: _wire.Parsed, out: np.ndarray, block_vectors, device) -> N
     h = p.header
     dim, bits, n_vec = h.dim, h.bits, h.num_vectors
     cfg = _codec.CodecConfig(dim, bits, h.seed)
-    rot, cen, _, _ = _codec.device_tables(cfg, device)
+    devices = _device_list(device)
+    tabs = [_codec.device_tables(cfg, d) for d in devices]
     dtype = jnp.dtype(out.dtype)
     flat_out = out.reshape(n_vec, dim)
     block = _block_vectors(dim, block_vectors)
     qjl_matrix = None
     if h.use_qjl:
         try:
-            qjl_matrix = jax.device_put(_rotation.qjl_matrix(dim, h.qjl_sketch_size, h.seed), device)
+            qjl_matrix = _rotation.qjl_matrix(dim, h.qjl_sketch_size, h.seed)
         except ValueError as e:
             raise _wire.BadFieldError(f"TQ01 QJL blob cannot be decoded: {e}") from None
+        qjl_matrix = [jax.device_put(qjl_matrix, d) for d in devices]
 
     pending = []
-    for start in range(0, n_vec, block):
+    for i, start in enumerate(range(0, n_vec, block)):
+        dev = devices[i % len(devices)]
+        rot, cen, _, _ = tabs[i % len(devices)]
         nb = min(block, n_vec - start)
         rows = block if nb == block else bucket(nb)
         lo = start * dim * bits // 8  # exact: start is a multiple of 8
@@ -310,7 +328,7 @@ def _decode_parsed(p: _wire.Parsed, out: np.ndarray, block_vectors, device) -> N
             padded = np.zeros(want, np.uint8)
             padded[: min(len(stream), want)] = stream[:want]
             stream = padded
-        put = functools.partial(jax.device_put, device=device)
+        put = functools.partial(jax.device_put, device=dev)
         norms = put(_pad_rows(p.norms[start : start + nb], rows))
         if h.use_qjl:
             res = _decode_block_qjl(
@@ -320,7 +338,7 @@ def _decode_parsed(p: _wire.Parsed, out: np.ndarray, block_vectors, device) -> N
                 put(_pad_rows(p.residual_norms[start : start + nb], rows)),
                 rot,
                 cen,
-                qjl_matrix,
+                qjl_matrix[i % len(devices)],
                 bits=bits,
                 dtype=dtype,
             )
@@ -348,7 +366,8 @@ def loads(blob, *, dtype=None, block_vectors: int | None = None, device=None) ->
         blob: bytes-like object or 1-D uint8 numpy array.
         dtype: output dtype; default: the dtype recorded in the blob.
         block_vectors: vectors per kernel call (default: ~2**20 coordinates).
-        device: JAX device for the computation and the result.
+        device: JAX device for the computation and the result, or a sequence of
+            devices that take blocks in turn (the result lands on the first).
 
     Returns:
         ``jax.Array`` of the blob's shape.
@@ -360,7 +379,9 @@ def loads(blob, *, dtype=None, block_vectors: int | None = None, device=None) ->
     dt = _check_out_dtype(p.header.dtype if dtype is None else dtype)
     out = _aligned_empty(p.header.shape, _np_dtype(dt))
     _decode_parsed(p, out, block_vectors, device)
-    return jax.device_put(out, device)  # zero-copy on CPU: `out` is 64-byte aligned
+    # Zero-copy on CPU: `out` is 64-byte aligned. With several devices the result
+    # lands on the first.
+    return jax.device_put(out, _device_list(device)[0])
 
 
 def load_into(blob, out: np.ndarray, *, block_vectors: int | None = None, device=None) -> _wire.Header:
