@@ -1,0 +1,163 @@
+"""tq_jax vs the reference plugin vs memcpy on one LMCache chunk (W1), in one process.
+
+W1 = [2, 32, 256, 8, 128] bfloat16 Gaussian (LLaMA-3-8B, 256 tokens, per head):
+33.5 MB. For each bit width: blob bytes, mean per-vector cosine, encode/decode
+median ms and MB/s (of the bf16 input) after warm-up, peak extra resident memory
+(VmHWM over the RSS before a warm call), and compile time (first call minus median).
+
+    python benchmarks/bench_codec.py            # full table, writes benchmarks/results/codec.md
+    python benchmarks/bench_codec.py --quick    # smaller chunk, fewer repeats
+
+The reference (lmcache-turbo-quant-serde + tqai, torch) runs only if installed. Its
+8-bit encode materialises a (..., 128, 256) float32 tensor (~35 GB on W1), so it is
+not run at 8 bits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import tq_jax
+
+W1 = (2, 32, 256, 8, 128)
+
+
+def _rss_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def peak_extra_mb(fn):
+    """Run fn once; return (result, peak RSS above the RSS before it, in MB)."""
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
+    except OSError:
+        pass
+    base = _rss_kb("VmRSS")
+    out = fn()
+    return out, max(0, _rss_kb("VmHWM") - base) / 1024
+
+
+def timed(fn, repeats):
+    t0 = time.perf_counter()
+    out = fn()
+    first = time.perf_counter() - t0
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        ts.append(time.perf_counter() - t0)
+    return out, first, statistics.median(ts)
+
+
+def cosine(a, b) -> float:
+    a = np.asarray(a, np.float32).reshape(-1, a.shape[-1])
+    b = np.asarray(b, np.float32).reshape(-1, b.shape[-1])
+    c = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1) + 1e-30)
+    return float(c.mean())
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="W1 with 32 tokens, 3 repeats")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4, 8])
+    ap.add_argument("--no-reference", action="store_true")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "codec.md")
+    args = ap.parse_args(argv)
+
+    shape = (2, 32, 32, 8, 128) if args.quick else W1
+    repeats = args.repeats or (3 if args.quick else 7)
+    x = np.random.default_rng(0).standard_normal(shape, np.float32).astype(jnp.bfloat16)
+    mb = x.nbytes / 1e6
+
+    rows = []
+    _, _, t_copy = timed(lambda: x.copy(), repeats)
+    rows.append(("memcpy", "-", x.nbytes, 1.0, t_copy, t_copy, 0.0, None, None))
+
+    ref = None
+    if not args.no_reference:
+        try:
+            import torch
+            from lmcache_turbo_quant_serde._codec import TurboQuantDeserializer, TurboQuantSerializer
+
+            ref = (torch, TurboQuantSerializer, TurboQuantDeserializer)
+        except ImportError:
+            print("reference plugin not installed: skipping it", file=sys.stderr)
+
+    for bits in args.bits:
+        blob, first_e, t_e = timed(lambda: tq_jax.dumps(x, bits=bits), repeats)
+        y, first_d, t_d = timed(lambda: tq_jax.loads(blob).block_until_ready(), repeats)
+        del y
+        _, peak_enc = peak_extra_mb(lambda: tq_jax.dumps(x, bits=bits))
+        y, peak_dec = peak_extra_mb(lambda: tq_jax.loads(blob).block_until_ready())
+        rows.append(
+            ("tq_jax", bits, len(blob), cosine(y, x), t_e, t_d, max(peak_enc, peak_dec), first_e - t_e, first_d - t_d)
+        )
+        del y
+        if ref is not None:
+            torch, Ser, De = ref
+            if bits == 8:
+                rows.append(("reference", bits, None, None, None, None, None, None, None))
+                continue
+            xt = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+            ser, de = Ser(bits=bits), De()
+            rblob, _, rt_e = timed(lambda: ser.to_bytes(xt), max(3, repeats // 2))
+            _, _, rt_d = timed(lambda: de.from_bytes(rblob), max(3, repeats // 2))
+            _, rpeak_e = peak_extra_mb(lambda: ser.to_bytes(xt))
+            ry, rpeak_d = peak_extra_mb(lambda: de.from_bytes(rblob))
+            rows.append(
+                ("reference", bits, len(rblob), cosine(ry.float().numpy(), x), rt_e, rt_d, max(rpeak_e, rpeak_d), None, None)
+            )
+            del ry
+
+    lines = [
+        f"W1 = {list(shape)} bfloat16 Gaussian, {mb:.1f} MB; jax {jax.__version__} on "
+        f"{jax.devices()[0].platform} ({jax.device_count()} device); median of {repeats} after warm-up.",
+        "",
+        "| codec | bits | bytes | % of bf16 | cosine | encode ms | encode MB/s | decode ms | decode MB/s | "
+        "peak extra MB | compile ms (enc/dec) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, bits, nbytes, cos, te, td, peak, ce, cd in rows:
+        if nbytes is None:
+            lines.append(f"| {name} | {bits} | not run: needs ~35 GB (a (…,128,256) float32 tensor) | | | | | | | | |")
+            continue
+        comp = "" if ce is None else f"{ce * 1e3:.0f} / {cd * 1e3:.0f}"
+        lines.append(
+            f"| {name} | {bits} | {nbytes:,} | {100 * nbytes / x.nbytes:.1f} | {cos:.4f} | {te * 1e3:.1f} | "
+            f"{mb / te:.0f} | {td * 1e3:.1f} | {mb / td:.0f} | {peak:.0f} | {comp} |"
+        )
+    # Side-by-side ratios measured in this run.
+    ours = {r[1]: r for r in rows if r[0] == "tq_jax"}
+    theirs = {r[1]: r for r in rows if r[0] == "reference" and r[2] is not None}
+    lines.append("")
+    lines.append("| bits | encode speed-up vs reference | decode speed-up vs reference | encode / memcpy | decode / memcpy |")
+    lines.append("|---|---|---|---|---|")
+    for bits, r in ours.items():
+        su_e = f"{theirs[bits][4] / r[4]:.1f}x" if bits in theirs else "-"
+        su_d = f"{theirs[bits][5] / r[5]:.1f}x" if bits in theirs else "-"
+        lines.append(f"| {bits} | {su_e} | {su_d} | {r[4] / t_copy:.1f}x | {r[5] / t_copy:.1f}x |")
+    text = "\n".join(lines)
+    print(text)
+    if not args.quick:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
