@@ -47,7 +47,7 @@ def test_indices_are_nearest_centroid(bits):
     d = 64
     x = np.random.default_rng(bits).standard_normal((64, d)).astype(np.float32)
     t = codec.tables(tq_jax.CodecConfig(d, bits))
-    y = (x / (np.linalg.norm(x, axis=1, keepdims=True) + 1e-10)) @ t.rotation.T
+    y = (x / (np.linalg.norm(x, axis=1, keepdims=True) + 1e-10)) @ t.rotation.dense.T
     want = np.abs(y[..., None] - t.centroids).argmin(-1)
     idx, _ = codec.encode_indices(x, t.rotation, t.boundaries, None if t.grid is None else t.grid)
     assert (np.asarray(idx) == want).mean() >= 0.999

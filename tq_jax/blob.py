@@ -101,14 +101,14 @@ def _encode_block(x, n_valid, rotation, boundaries, grid, *, bits):
 
 @functools.partial(jax.jit, static_argnames=("bits", "dtype"))
 def _decode_block(stream, norms, rotation, centroids, *, bits, dtype):
-    n_vec, dim = norms.shape[0], rotation.shape[0]
+    n_vec, dim = norms.shape[0], _codec._dim_of(rotation)
     idx = _packing.unpack(stream, bits, n_vec * dim).reshape(n_vec, dim)
     return _codec.decode_indices(idx, norms, rotation, centroids, dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "dtype"))
 def _decode_block_qjl(stream, norms, sketch, residual_norms, rotation, centroids, qjl_matrix, *, bits, dtype):
-    n_vec, dim = norms.shape[0], rotation.shape[0]
+    n_vec, dim = norms.shape[0], _codec._dim_of(rotation)
     idx = _packing.unpack(stream, bits, n_vec * dim).reshape(n_vec, dim)
     qjl = (sketch, residual_norms, qjl_matrix)
     return _codec.decode_indices(idx, norms, rotation, centroids, dtype, qjl)

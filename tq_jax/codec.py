@@ -40,10 +40,12 @@ from tq_jax import rotation as _rotation
 if TYPE_CHECKING:  # annotations only; jaxtyping is not a runtime dependency
     from jaxtyping import Array, Float, Float32, UInt8
 
-__all__ = ["CodecConfig", "Encoded", "encode", "decode", "FLOAT_DTYPES"]
+__all__ = ["CodecConfig", "Encoded", "RotationOp", "encode", "decode", "rotate", "unrotate", "FLOAT_DTYPES", "ROTATIONS"]
 
 NORM_EPS = 1e-10  # the reference's guard in u = x / (n + eps)
 FLOAT_DTYPES = ("bfloat16", "float16", "float32")
+ROTATIONS = ("haar", "hadamard")
+_HADAMARD_FACTOR = 16  # the Hadamard part is applied as Kronecker factors of order <= 16
 
 # Widths up to this many bits quantize by summing comparisons against every
 # boundary (2**bits - 1 fused compares); wider codebooks use a uniform grid over
@@ -60,11 +62,17 @@ class CodecConfig:
         dim: vector length (head_dim), >= 2.
         bits: bits per coordinate, 1..8 (the codebook has ``2**bits`` levels).
         seed: rotation seed; like torch's generator only its low 32 bits matter.
+        rotation: ``"haar"`` (the reference's dense rotation, O(d²)) or ``"hadamard"``
+            (the structured randomized Hadamard rotation, O(d log d); TQ01 v2).
+        norm_correction: rescale the decoded centroid vector to unit length before the
+            inverse rotation (vLLM's "nc"; TQ01 v2).
     """
 
     dim: int
     bits: int
     seed: int = 42
+    rotation: str = "haar"
+    norm_correction: bool = False
 
     def __post_init__(self):
         if not isinstance(self.dim, (int, np.integer)) or isinstance(self.dim, bool) or self.dim < 2:
@@ -79,6 +87,14 @@ class CodecConfig:
             )
         if not isinstance(self.seed, (int, np.integer)) or isinstance(self.seed, bool):
             raise ValueError(f"`seed` must be an int, got {self.seed!r}.")
+        if self.rotation not in ROTATIONS:
+            raise ValueError(
+                f"`rotation` must be one of {ROTATIONS}, got {self.rotation!r}: 'haar' is the "
+                f"reference's dense rotation, 'hadamard' the fast structured one."
+            )
+        if not isinstance(self.norm_correction, (bool, np.bool_)):
+            raise ValueError(f"`norm_correction` must be a bool, got {self.norm_correction!r}.")
+        object.__setattr__(self, "norm_correction", bool(self.norm_correction))
         object.__setattr__(self, "dim", int(self.dim))
         object.__setattr__(self, "bits", int(self.bits))
         object.__setattr__(self, "seed", int(self.seed))
@@ -103,10 +119,18 @@ class Encoded(NamedTuple):
     norms: "Float32[Array, '*batch']"
 
 
+class RotationOp(NamedTuple):
+    """A rotation as arrays (a pytree): ``dense`` for Haar, ``signs``/``odd`` for Hadamard."""
+
+    dense: "Float32[Array, 'd d'] | None" = None
+    signs: "Float32[Array, ' d'] | None" = None
+    odd: "Float32[Array, 'm m'] | None" = None
+
+
 class _Tables(NamedTuple):
     """Host (numpy) arrays a codec closes over; built once per config."""
 
-    rotation: np.ndarray  # float32 (dim, dim)
+    rotation: RotationOp
     centroids: np.ndarray  # float32 (2**bits,)
     boundaries: np.ndarray  # float32 (2**bits - 1,)
     grid: tuple | None  # (lo, inv_width, start int32 (M,), bound float32 (M,)) for bits > 4
@@ -142,15 +166,20 @@ def _search_grid(boundaries: np.ndarray):
 
 
 @functools.lru_cache(maxsize=64)
-def _tables(dim: int, bits: int, seed: int) -> _Tables:
+def _tables(dim: int, bits: int, seed: int, rotation: str) -> _Tables:
     cb = _codebook.lloyd_max(dim, bits)
     grid = _search_grid(cb.boundaries) if bits > _COMPARE_ALL_MAX_BITS else None
-    return _Tables(_rotation.haar_rotation(dim, seed), cb.centroids, cb.boundaries, grid)
+    if rotation == "haar":
+        op = RotationOp(dense=_rotation.haar_rotation(dim, seed))
+    else:
+        st = _rotation.structured_rotation(dim, seed)
+        op = RotationOp(signs=st.signs, odd=st.odd)
+    return _Tables(op, cb.centroids, cb.boundaries, grid)
 
 
 def tables(config: CodecConfig) -> _Tables:
     """The rotation and codebook arrays of ``config`` (cached, read-only numpy)."""
-    return _tables(config.dim, config.bits, config.seed)
+    return _tables(config.dim, config.bits, config.seed, config.rotation)
 
 
 _device_cache: dict = {}
@@ -159,7 +188,7 @@ _device_lock = threading.Lock()
 
 def device_tables(config: CodecConfig, device=None):
     """``tables(config)`` as committed device arrays, transferred once per device."""
-    key = (config.dim, config.bits, config.seed, device)
+    key = (config.dim, config.bits, config.seed, config.rotation, device)
     hit = _device_cache.get(key)
     if hit is None:
         t = tables(config)
@@ -167,7 +196,8 @@ def device_tables(config: CodecConfig, device=None):
         grid = None
         if t.grid is not None:
             grid = tuple(put(np.asarray(a)) for a in t.grid)
-        hit = (put(t.rotation), put(t.centroids), put(t.boundaries), grid)
+        rot = RotationOp(*(None if a is None else put(a) for a in t.rotation))
+        hit = (rot, put(t.centroids), put(t.boundaries), grid)
         with _device_lock:
             _device_cache.setdefault(key, hit)
             hit = _device_cache[key]
@@ -195,12 +225,52 @@ def _quantize(y, boundaries, grid):
     return (s + (y > b).astype(jnp.int32)).astype(jnp.uint8)
 
 
-def _norms_and_rotate(x, rotation):
+_HI = jax.lax.Precision.HIGHEST
+
+
+def _hadamard_last(v):
+    """``v @ H_p`` along the last axis, as Kronecker factors of order <= 16."""
+    p = v.shape[-1]
+    if p == 1:
+        return v
+    f = min(p, _HADAMARD_FACTOR)
+    h = jnp.asarray(_rotation.hadamard(f), jnp.float32)
+    if f == p:
+        return jnp.matmul(v, h, precision=_HI)
+    # H_p = H_f ⊗ H_(p/f): apply H_f to the leading factor axis, recurse on the rest.
+    w = v.reshape(*v.shape[:-1], f, p // f)
+    w = jnp.matmul(h, _hadamard_last(w), precision=_HI)
+    return w.reshape(v.shape)
+
+
+def _kron_apply(v, odd, transpose: bool):
+    """``(odd ⊗ H_p) v`` (or its transpose) along the last axis of ``v``."""
+    d, m = v.shape[-1], odd.shape[0]
+    w = _hadamard_last(v.reshape(*v.shape[:-1], m, d // m))
+    if m > 1:
+        w = jnp.matmul(odd.T if transpose else odd, w, precision=_HI)
+    return w.reshape(v.shape)
+
+
+def rotate(u, rotation: RotationOp):
+    """``y = R u`` for each vector along the last axis."""
+    if rotation.dense is not None:
+        return jnp.matmul(u, rotation.dense.T, precision=_HI)
+    return _kron_apply(u * rotation.signs, rotation.odd, transpose=False)
+
+
+def unrotate(y, rotation: RotationOp):
+    """``u = Rᵀ y`` for each vector along the last axis."""
+    if rotation.dense is not None:
+        return jnp.matmul(y, rotation.dense, precision=_HI)
+    return _kron_apply(y, rotation.odd, transpose=True) * rotation.signs
+
+
+def _norms_and_rotate(x, rotation: RotationOp):
     xf = x.astype(jnp.float32)
     norms = jnp.sqrt(jnp.sum(xf * xf, axis=-1))
     u = xf / (norms + NORM_EPS)[..., None]
-    y = jnp.matmul(u, rotation.T, precision=jax.lax.Precision.HIGHEST)
-    return y, norms
+    return rotate(u, rotation), norms
 
 
 def encode_indices(x, rotation, boundaries, grid):
@@ -209,20 +279,23 @@ def encode_indices(x, rotation, boundaries, grid):
     return _quantize(y, boundaries, grid), norms
 
 
-def decode_indices(indices, norms, rotation, centroids, dtype, qjl=None):
+def decode_indices(indices, norms, rotation: RotationOp, centroids, dtype, qjl=None, norm_correction=False):
     """Reconstruct ``(..., d)`` vectors of ``dtype`` from uint8 indices and norms.
 
     ``qjl`` is ``(sketch int8 (..., m), residual_norms (...), matrix (m, d))`` for
     blobs written with the QJL residual (TQ01 read compatibility only).
+    ``norm_correction`` (static) rescales the centroid vector to unit length first.
     """
     y_hat = jnp.take(centroids, indices.astype(jnp.int32), mode="clip")
     if qjl is not None:
         sketch, residual_norms, matrix = qjl
         m = matrix.shape[0]
-        corr = jnp.matmul(sketch.astype(jnp.float32), matrix, precision=jax.lax.Precision.HIGHEST)
+        corr = jnp.matmul(sketch.astype(jnp.float32), matrix, precision=_HI)
         scale = residual_norms.astype(jnp.float32) * np.float32(math.sqrt(math.pi / (2 * m)))
         y_hat = y_hat + corr * scale[..., None]
-    x_hat = jnp.matmul(y_hat, rotation, precision=jax.lax.Precision.HIGHEST)
+    if norm_correction:
+        y_hat = y_hat * jax.lax.rsqrt(jnp.sum(y_hat * y_hat, axis=-1, keepdims=True))
+    x_hat = unrotate(y_hat, rotation)
     return (x_hat * norms.astype(jnp.float32)[..., None]).astype(dtype)
 
 
@@ -232,10 +305,14 @@ def _encode(x, rotation, boundaries, grid, *, bits):
     return Encoded(_packing.pack(idx, bits), norms)
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "dtype"))
-def _decode(packed, norms, rotation, centroids, *, bits, dtype):
-    idx = _packing.unpack(packed, bits, rotation.shape[0])
-    return decode_indices(idx, norms, rotation, centroids, dtype)
+@functools.partial(jax.jit, static_argnames=("bits", "dtype", "norm_correction"))
+def _decode(packed, norms, rotation, centroids, *, bits, dtype, norm_correction):
+    idx = _packing.unpack(packed, bits, _dim_of(rotation))
+    return decode_indices(idx, norms, rotation, centroids, dtype, norm_correction=norm_correction)
+
+
+def _dim_of(rotation: RotationOp) -> int:
+    return (rotation.dense if rotation.dense is not None else rotation.signs).shape[0]
 
 
 # --------------------------------------------------------------------------- public
@@ -301,10 +378,13 @@ def decode(encoded: Encoded, config: CodecConfig, dtype=jnp.float32) -> "Float[A
             f"norms {tuple(jnp.shape(norms))}."
         )
     rot, cen, _, _ = _as_arrays(config)
-    return _decode(packed, norms, rot, cen, bits=config.bits, dtype=jnp.dtype(dtype))
+    return _decode(
+        packed, norms, rot, cen, bits=config.bits, dtype=jnp.dtype(dtype), norm_correction=config.norm_correction
+    )
 
 
 def _as_arrays(config: CodecConfig):
     t = tables(config)
     grid = None if t.grid is None else tuple(jnp.asarray(a) for a in t.grid)
-    return jnp.asarray(t.rotation), jnp.asarray(t.centroids), jnp.asarray(t.boundaries), grid
+    rot = RotationOp(*(None if a is None else jnp.asarray(a) for a in t.rotation))
+    return rot, jnp.asarray(t.centroids), jnp.asarray(t.boundaries), grid
