@@ -1,0 +1,308 @@
+"""Registration, option validation, size contract, launcher and plugin loader."""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("lmcache")
+
+from lmcache.v1.distributed.serde import SerdeConfig, create_serde_processor  # noqa: E402
+from lmcache.v1.distributed.serde import factory as lmc_factory  # noqa: E402
+from lmcache.v1.distributed.serde.async_processor import AsyncSerdeProcessor  # noqa: E402
+
+import tq_jax  # noqa: E402
+import tq_jax.bridge  # noqa: E402
+from tq_jax.bridge import register  # noqa: E402
+
+from bridge_util import Events, build_manager, key, mean_cosine, store_evict_prefetch  # noqa: E402
+
+reg_mod = importlib.import_module("tq_jax.bridge.register")  # the module (the attribute is the function)
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::FutureWarning"),  # google-* deps of lmcache
+    pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning"),  # opentelemetry
+]
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def fresh_registry(monkeypatch):
+    """LMCache's serde registry with only the built-ins (fp8, aesgcm, turboquant)."""
+    builtins = {k: v for k, v in lmc_factory._SERDE_FACTORY_REGISTRY.items() if k in ("fp8", "aesgcm", "turboquant")}
+    monkeypatch.setattr(lmc_factory, "_SERDE_FACTORY_REGISTRY", builtins)
+    monkeypatch.setattr(reg_mod, "_REGISTERED", {})
+    return builtins
+
+
+# ----------------------------------------------------------------------------- register
+
+
+def test_package_reexports_the_function():
+    assert tq_jax.bridge.register is reg_mod.register
+    assert callable(tq_jax.bridge.register)
+
+
+def test_register_is_idempotent_and_aliases_tqai(fresh_registry):
+    assert register() == ("tq_jax", "tqai")
+    assert register() == ("tq_jax", "tqai")
+    assert fresh_registry["tq_jax"] is fresh_registry["tqai"] is reg_mod.make_serde_processor
+    proc = create_serde_processor(SerdeConfig("tqai", {"head_dim": 128, "bits": 4}))
+    assert isinstance(proc, AsyncSerdeProcessor)
+    proc.close()
+
+
+def test_alias_taken_by_the_reference_is_left_alone(fresh_registry):
+    ref = pytest.importorskip("lmcache_turbo_quant_serde._register")
+    monkeypatch_registered = dict(ref._REGISTERED)
+    try:
+        ref._REGISTERED.clear()
+        ref.register()  # the reference plugin takes "tqai" first
+        theirs = fresh_registry["tqai"]
+        assert register() == ("tq_jax",)
+        assert fresh_registry["tqai"] is theirs
+    finally:
+        ref._REGISTERED.clear()
+        ref._REGISTERED.update(monkeypatch_registered)
+
+
+def test_name_taken_by_someone_else_is_an_error(fresh_registry):
+    lmc_factory.register_serde_factory("tq_jax", lambda kw: None)
+    with pytest.raises(ValueError, match=r"already registered by another serde.*register\(name="):
+        register()
+    assert register("tq_jax_2", aliases=()) == ("tq_jax_2",)
+
+
+def test_custom_name_without_aliases(fresh_registry):
+    assert register("mine", aliases=()) == ("mine",)
+    assert "tqai" not in fresh_registry
+    with pytest.raises(ValueError, match="non-empty string"):
+        register("")
+
+
+class FakeContract(enum.Enum):
+    UPPER_BOUND = "upper_bound"
+    EXACT = "exact"
+
+
+def test_size_contract_exact_when_supported(fresh_registry, monkeypatch):
+    """Newer LMCache: register_serde_factory(name, factory, *, size_contract=...)."""
+    calls = []
+
+    def newer_register(name, factory, *, size_contract=FakeContract.UPPER_BOUND):
+        calls.append((name, size_contract))
+        fresh_registry[name] = factory
+
+    monkeypatch.setattr(lmc_factory, "register_serde_factory", newer_register)
+    assert register() == ("tq_jax", "tqai")
+    assert calls == [("tq_jax", FakeContract.EXACT), ("tqai", FakeContract.EXACT)]
+
+
+def test_size_contract_absent_in_0_5_6(fresh_registry, monkeypatch):
+    import inspect
+
+    assert "size_contract" not in inspect.signature(lmc_factory.register_serde_factory).parameters
+    calls = []
+    real = lmc_factory.register_serde_factory
+
+    def spy(name, factory):
+        calls.append(name)
+        real(name, factory)
+
+    monkeypatch.setattr(lmc_factory, "register_serde_factory", spy)
+    assert register() == ("tq_jax", "tqai")
+    assert calls == ["tq_jax", "tqai"]
+    assert reg_mod._size_contract_kwargs(real) == {}
+
+
+# ----------------------------------------------------------------------------- options
+
+
+def test_defaults_and_reference_config_unchanged():
+    assert reg_mod.parse_options({}) == reg_mod.SerdeOptions(128, 4, 42, 1, "cpu", False, 64)
+    ref_cfg = {"head_dim": 128, "bits": 4, "seed": 42, "use_qjl": False, "qjl_sketch_size": 64, "max_workers": 1}
+    o = reg_mod.parse_options(ref_cfg)
+    assert (o.head_dim, o.bits, o.seed, o.max_workers) == (128, 4, 42, 1)
+
+
+def test_unknown_key_lists_valid_ones():
+    with pytest.raises(ValueError) as e:
+        reg_mod.parse_options({"bitz": 4, "head_dims": 128})
+    msg = str(e.value)
+    assert "'bitz', 'head_dims'" in msg
+    for name in ("head_dim", "bits", "seed", "max_workers", "device"):
+        assert name in msg
+    assert "reserved for TQ01 version 2: key_bits" in msg
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        ({"bits": "4"}, TypeError, r"`bits` must be an int, got str"),
+        ({"bits": True}, TypeError, r"`bits` must be an int, got bool"),
+        ({"bits": 5}, ValueError, r"one of \(2, 3, 4, 6, 8\)"),
+        ({"head_dim": 128.0}, TypeError, r"`head_dim` must be an int, got float"),
+        ({"head_dim": 1}, ValueError, r"`head_dim` must be in 2\.\."),
+        ({"seed": 2**31}, ValueError, r"`seed` must be in"),
+        ({"max_workers": 0}, ValueError, r"`max_workers` must be in 1\.\."),
+        ({"max_workers": "4"}, TypeError, "must be an int"),
+        ({"device": 0}, TypeError, r"`device` must be a string"),
+        ({"device": "cuda"}, ValueError, "must be one of"),
+        ({"use_qjl": 1}, TypeError, "must be a bool"),
+        ({"use_qjl": True}, ValueError, "does not write them"),
+    ],
+)
+def test_bad_values(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        reg_mod.parse_options(kwargs)
+    with pytest.raises(exc, match=match):  # the factory LMCache calls validates the same way
+        reg_mod.make_serde_processor(kwargs)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["key_bits", "value_bits", "skip_first_layers", "skip_last_layers", "rotation", "norm_dtype", "norm_correction", "checksum"],
+)
+def test_v2_options_are_reserved(name):
+    with pytest.raises(ValueError, match=rf"`{name}` needs TQ01 version 2, not implemented yet"):
+        reg_mod.parse_options({name: 4})
+
+
+def test_option_table_shape():
+    names = [o.name for o in reg_mod.OPTIONS]
+    assert len(names) == len(set(names))
+    assert {f.name for f in reg_mod.dataclasses.fields(reg_mod.SerdeOptions)} == {
+        o.name for o in reg_mod.OPTIONS if o.version <= reg_mod.WIRE_VERSION
+    }
+    for o in reg_mod.OPTIONS:
+        if o.version <= reg_mod.WIRE_VERSION:
+            assert o.check(o.name, o.default) == o.default  # defaults pass their own check
+
+
+def test_factory_builds_with_max_workers():
+    register()
+    proc = create_serde_processor(SerdeConfig("tq_jax", {"max_workers": 3, "bits": 2, "device": "auto"}))
+    try:
+        assert proc._pool._max_workers == 3
+        assert proc._serializer.bits == 2
+    finally:
+        proc.close()
+
+
+# ----------------------------------------------------------------------------- plugin loader
+
+
+SMALL = (2, 4, 64, 512)
+
+
+def test_plugin_adapter_loads_the_serde_from_config_alone(tmp_path, fresh_registry):
+    """Only the config mentions tq_jax: LMCache's plugin adapter imports our module,
+    which registers the serde before LMCache builds it."""
+    sys.modules.pop("tq_jax.bridge.plugin", None)
+    assert "tq_jax" not in fresh_registry
+    adapter = {
+        "type": "plugin",
+        "module_path": "tq_jax.bridge.plugin",
+        "class_name": "L2Adapter",
+        "adapter_params": {"type": "fs", "base_path": str(tmp_path)},
+        "serde": {"type": "tq_jax", "bits": 4},
+    }
+    events = Events()
+    sm = build_manager(adapter, l1_gb=0.1)
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randn(SMALL, generator=g).to(torch.bfloat16) for _ in range(2)]
+    try:
+        assert "tq_jax" in fresh_registry
+        ok, failed, hits, l2_hits, got = store_evict_prefetch(sm, events, [key(i, "plugin") for i in range(2)], data, SMALL)
+    finally:
+        sm.close()
+        events.stop()
+    assert (ok, failed, hits, l2_hits) == (2, 0, 2, 2)
+    size = tq_jax.serialized_size((2, 4, 64, 4, 128), "bfloat16", 4)
+    assert {f.stat().st_size for f in tmp_path.rglob("*.data")} == {size}
+    for x, y in zip(data, got):
+        assert mean_cosine(x, y, 128) >= 0.994
+
+
+def test_plugin_refuses_misplaced_serde(tmp_path):
+    from tq_jax.bridge import plugin
+
+    with pytest.raises(ValueError, match="move 'serde' from adapter_params to the outer"):
+        plugin.build_inner_adapter({"type": "fs", "base_path": str(tmp_path), "serde": {"type": "tq_jax"}})
+    with pytest.raises(ValueError, match="string 'type'"):
+        plugin.build_inner_adapter({"base_path": str(tmp_path)})
+    with pytest.raises(ValueError, match="cannot itself be a plugin"):
+        plugin.build_inner_adapter({"type": "plugin"})
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env():
+    env = dict(os.environ, PYTHONWARNINGS="ignore", LMCACHE_LOG_LEVEL="INFO")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def test_launcher_runs_a_module_after_registering(tmp_path):
+    (tmp_path / "probe_mod.py").write_text(
+        "import sys\n"
+        "from lmcache.v1.distributed.serde import get_registered_serde_types\n"
+        "print('ARGS', sys.argv[1:], 'TYPES', sorted(get_registered_serde_types()))\n"
+    )
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join((str(tmp_path), env["PYTHONPATH"]))
+    out = subprocess.run(
+        [sys.executable, "-m", "tq_jax.bridge.launch", "-m", "probe_mod", "--x", "1"],
+        env=env, capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    assert "ARGS ['--x', '1'] TYPES ['aesgcm', 'fp8', 'tq_jax', 'tqai', 'turboquant']" in out
+
+
+def test_launcher_starts_lmcache_server_with_tq_jax_serde(tmp_path):
+    """`python -m tq_jax.bridge.launch server ...` gets past building the StorageManager
+    (plain `lmcache server` fails there with "Unknown serde type 'tq_jax'")."""
+    adapter = {"type": "fs", "base_path": str(tmp_path), "serde": {"type": "tq_jax", "bits": 4}}
+    cmd = [
+        sys.executable, "-m", "tq_jax.bridge.launch", "server",
+        "--l1-size-gb", "0.05", "--eviction-policy", "LRU",
+        "--l2-adapter", json.dumps(adapter),
+        "--port", str(_free_port()), "--http-port", str(_free_port()),
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "Application startup complete" in line or "startup failed" in line:
+                break
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    log = "".join(lines)
+    assert "Unknown serde type" not in log
+    assert "Application startup complete" in log, log[-3000:]
