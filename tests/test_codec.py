@@ -78,11 +78,17 @@ def test_norm_overflow_is_an_error_with_the_facts():
     x = np.random.default_rng(3).standard_normal((10, 64)).astype(np.float32)
     x[[2, 5]] *= 1e5
     with pytest.raises(tq_jax.NormOverflowError, match=r"2 of 10 vectors.*largest: .*version 2"):
-        tq_jax.dumps(x, bits=4)
+        tq_jax.dumps(x, bits=4, norm_dtype="float16")
     buf = bytearray(tq_jax.serialized_size(x.shape, "float32", 4))
     with pytest.raises(tq_jax.NormOverflowError):
-        tq_jax.dump_into(x, buf, bits=4)
+        tq_jax.dump_into(x, buf, bits=4, norm_dtype="float16")
     assert buf == bytearray(len(buf))  # nothing written
+    # The default ("auto") keeps them: float32 norms, version 2, nothing lost.
+    b = tq_jax.dumps(x, bits=4)
+    assert tq_jax.parse(b).header.version == 2 and tq_jax.parse(b).header.norm_dtype == "float32"
+    assert cosine(tq_jax.loads(b), x).min() > 0.98
+    with pytest.raises(ValueError, match="overflow float16"):
+        tq_jax.dump_into(x, bytearray(tq_jax.serialized_size(x.shape, "float32", 4)), bits=4)
 
 
 def test_jit_parity_and_user_jit_vmap():
@@ -112,7 +118,7 @@ def test_packed_rows_concatenate_to_the_wire_stream():
     x = np.random.default_rng(5).standard_normal((2, 9, 96)).astype(np.float32)
     cfg = tq_jax.CodecConfig(96, 6)
     rows = np.asarray(tq_jax.encode(x, cfg).packed)
-    assert rows.tobytes() == tq_jax.parse(tq_jax.dumps(x, bits=6)).indices.tobytes()
+    assert rows.tobytes() == tq_jax.parse(tq_jax.dumps(x, bits=6)).indices[0].tobytes()
 
 
 def test_second_call_does_not_recompile():
@@ -185,8 +191,10 @@ def test_dtypes_and_load_into():
 
 
 def test_bad_inputs_say_how_to_fix():
-    with pytest.raises(ValueError, match="one of \\(2, 3, 4, 6, 8\\).*version 1"):
-        tq_jax.dumps(np.zeros((2, 64), np.float32), bits=5)
+    with pytest.raises(ValueError, match="`key_bits` must be an int in 1..8"):
+        tq_jax.dumps(np.zeros((2, 64), np.float32), bits=9)
+    with pytest.raises(ValueError, match="give `bits`"):
+        tq_jax.dumps(np.zeros((2, 64), np.float32))
     with pytest.raises(ValueError, match="bfloat16, float16 or float32"):
         tq_jax.dumps(np.zeros((2, 64), np.float64), bits=4)
     with pytest.raises(ValueError, match="head_dim >= 2"):

@@ -47,7 +47,7 @@ def test_interop_both_ways(dim, bits, dtype):
     # Same length, same header bytes (everything before the indices section).
     assert len(ours) == len(ref_blob)
     h = tq_jax.parse(ours)
-    head_len = len(ours) - h.indices.nbytes - h.norms.nbytes - 16
+    head_len = len(ours) - h.indices[0].nbytes - h.norms[0].nbytes - 16
     assert ours[:head_len] == ref_blob[:head_len]
 
     # Our loads of the reference's blob vs the reference's own decode.
@@ -61,12 +61,12 @@ def test_interop_both_ways(dim, bits, dtype):
 
     # Indices agree with the reference encoder's on >= 99.9 % of coordinates.
     n = x_t.numel()
-    ref_idx = ref_unpack(tq_jax.parse(ref_blob).indices, bits, (n,))
-    our_idx = ref_unpack(h.indices, bits, (n,))
+    ref_idx = ref_unpack(tq_jax.parse(ref_blob).indices[0], bits, (n,))
+    our_idx = ref_unpack(h.indices[0], bits, (n,))
     assert (ref_idx == our_idx).mean() >= 0.999
     # Norms agree to float16 rounding.
     np.testing.assert_allclose(
-        h.norms.astype(np.float32), tq_jax.parse(ref_blob).norms.astype(np.float32), rtol=1e-3
+        h.norms[0].astype(np.float32), tq_jax.parse(ref_blob).norms[0].astype(np.float32), rtol=1e-3
     )
 
 

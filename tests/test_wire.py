@@ -28,7 +28,7 @@ def test_valid_blob_parses_and_sizes_are_exact():
     assert p.header.shape == (2, 3, 8) and p.header.bits == 4 and p.header.seed == 7
     assert p.header.dtype == "float32" and not p.header.use_qjl
     assert len(b) == wire.serialized_size((2, 3, 8), "float32", 4)
-    assert p.indices.nbytes == 2 * 3 * 8 * 4 // 8 and p.norms.shape == (6,)
+    assert p.indices[0].nbytes == 2 * 3 * 8 * 4 // 8 and p.norms[0].shape == (6,)
     assert wire.peek_header(b) == p.header
 
 

@@ -14,15 +14,17 @@ from tq_jax.blob import dump_into as dump_into
 from tq_jax.blob import dumps as dumps
 from tq_jax.blob import load_into as load_into
 from tq_jax.blob import loads as loads
+from tq_jax.blob import serialized_size as serialized_size
 from tq_jax.codec import CodecConfig as CodecConfig
 from tq_jax.codec import Encoded as Encoded
 from tq_jax.codec import decode as decode
 from tq_jax.codec import encode as encode
+from tq_jax.options import PRESETS as PRESETS
+from tq_jax.options import Options as Options
 from tq_jax.wire import Header as Header
 from tq_jax.wire import WireError as WireError
 from tq_jax.wire import parse as parse
 from tq_jax.wire import peek_header as peek_header
-from tq_jax.wire import serialized_size as serialized_size
 
 __version__ = "0.1.0"
 
@@ -31,6 +33,8 @@ __all__ = (
     "Encoded",
     "Header",
     "NormOverflowError",
+    "Options",
+    "PRESETS",
     "WireError",
     "decode",
     "dump_into",

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import functools
 import math
+import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from tq_jax import codec as _codec
+from tq_jax import options as _options
 from tq_jax import packing as _packing
 from tq_jax import rotation as _rotation
 from tq_jax import wire as _wire
@@ -34,6 +36,7 @@ __all__ = [
     "load_into",
     "NormOverflowError",
     "bucket",
+    "serialized_size",
     "DEFAULT_BLOCK_COORDS",
 ]
 
@@ -99,11 +102,11 @@ def _encode_block(x, n_valid, rotation, boundaries, grid, *, bits):
     return _packing.pack(idx.reshape(-1), bits), norms
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "dtype"))
-def _decode_block(stream, norms, rotation, centroids, *, bits, dtype):
+@functools.partial(jax.jit, static_argnames=("bits", "dtype", "norm_correction"))
+def _decode_block(stream, norms, rotation, centroids, *, bits, dtype, norm_correction=False):
     n_vec, dim = norms.shape[0], _codec._dim_of(rotation)
     idx = _packing.unpack(stream, bits, n_vec * dim).reshape(n_vec, dim)
-    return _codec.decode_indices(idx, norms, rotation, centroids, dtype)
+    return _codec.decode_indices(idx, norms, rotation, centroids, dtype, norm_correction=norm_correction)
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "dtype"))
@@ -146,18 +149,6 @@ def _pad_rows(a: np.ndarray, rows: int) -> np.ndarray:
     return out
 
 
-def _check_bits_v1(bits):
-    if not isinstance(bits, (int, np.integer)) or isinstance(bits, bool) or bits not in _wire.READ_BITS_V1:
-        extra = ""
-        if isinstance(bits, (int, np.integer)) and 1 <= bits <= 8:
-            extra = (
-                f" The codec itself (tq_jax.encode) supports {bits} bits, but TQ01 version 1 "
-                f"can only say {_wire.READ_BITS_V1}, the widths the reference plugin reads."
-            )
-        raise ValueError(f"`bits` must be one of {_wire.READ_BITS_V1} for TQ01 v1, got {bits!r}.{extra}")
-    return int(bits)
-
-
 def _check_tensor(x: np.ndarray) -> str:
     try:
         dtype = _wire._dtype_name(x.dtype)
@@ -179,20 +170,12 @@ def _check_tensor(x: np.ndarray) -> str:
 # --------------------------------------------------------------------------- encode
 
 
-def _encode_sections(x, bits, seed, block_vectors, device):
-    """Run the codec over ``x`` block by block; return (header, [index chunks], norms f32)."""
-    bits = _check_bits_v1(bits)
-    host = _host_view(x)
-    dtype = _check_tensor(host)
-    shape = tuple(int(s) for s in host.shape)
-    dim = shape[-1]
-    n_vec = math.prod(shape[:-1])
-    cfg = _codec.CodecConfig(dim, bits, seed)
-    devices = _device_list(device)
+def _encode_vectors(flat: np.ndarray, cfg: _codec.CodecConfig, block_vectors, devices):
+    """Run the codec over ``flat`` (n, d) block by block: ([stream chunks], norms f32 (n,))."""
+    n_vec, dim = flat.shape
+    bits = cfg.bits
     tabs = [_codec.device_tables(cfg, d) for d in devices]
-    flat = np.ascontiguousarray(host).reshape(n_vec, dim)
     block = _block_vectors(dim, block_vectors)
-
     pending = []
     for i, start in enumerate(range(0, n_vec, block)):
         nb = min(block, n_vec - start)
@@ -200,7 +183,6 @@ def _encode_sections(x, bits, seed, block_vectors, device):
         rot, _, bnd, grid = tabs[i % len(devices)]
         xb = jax.device_put(_pad_rows(flat[start : start + nb], rows), devices[i % len(devices)])
         pending.append((nb, _encode_block(xb, nb, rot, bnd, grid, bits=bits)))
-
     norms = np.empty(n_vec, np.float32)
     chunks = []
     start = 0
@@ -208,86 +190,169 @@ def _encode_sections(x, bits, seed, block_vectors, device):
         chunks.append(np.asarray(stream)[: (nb * dim * bits + 7) // 8])
         norms[start : start + nb] = np.asarray(nrm)[:nb]
         start += nb
-
-    big = np.isfinite(norms) & (norms >= 65520.0)  # rounds to inf in float16
-    if big.any():
-        raise NormOverflowError(
-            NORM_OVERFLOW.format(count=int(big.sum()), total=n_vec, largest=float(norms[big].max()))
-        )
-    header = _wire.Header(bits=bits, seed=_wire._seed32(seed), shape=shape, dtype=dtype)
-    return header, chunks, norms.astype(np.float16)
+    return chunks, norms
 
 
-def _write(header, chunks, norms16, out: memoryview) -> int:
-    idx_n, nrm_n, _, _ = _wire.section_sizes(header.shape, header.bits)
-    head = _wire.header_bytes(header)
+def _group_view(host: np.ndarray, header: _wire.Header, g, lo, hi) -> np.ndarray:
+    """The vectors of one segment as a C-contiguous (n, d) view (no copy)."""
+    if g is None:
+        return host.reshape(-1, header.dim)
+    return host[g, lo:hi].reshape(-1, header.dim)
+
+
+def _raw_bytes(host: np.ndarray, header: _wire.Header) -> list:
+    out = []
+    if header.kv_layout:
+        layers = header.shape[1]
+        for g in range(header.shape[0]):
+            for lo, hi in ((0, header.skip_first), (layers - header.skip_last, layers)):
+                if hi > lo:
+                    out.append(memoryview(np.ascontiguousarray(host[g, lo:hi]).reshape(-1).view(np.uint8)))
+    return out
+
+
+def _norm_overflow(norms: list) -> tuple[int, int, float]:
+    count, total, largest = 0, 0, 0.0
+    for n in norms:
+        big = np.isfinite(n) & (n >= 65520.0)  # rounds to inf in float16
+        count += int(big.sum())
+        total += n.size
+        if big.any():
+            largest = max(largest, float(n[big].max()))
+    return count, total, largest
+
+
+def _encode(x, options: _options.Options, block_vectors, device):
+    """Encode ``x`` under ``options``: (header, [byte pieces in wire order])."""
+    host = _host_view(x)
+    dtype = _check_tensor(host)
+    host = np.ascontiguousarray(host)
+    header = options.header(host.shape, dtype)  # validates the shape for the options
+    devices = _device_list(device)
+    encoded = []
+    for g, bits, lo, hi, _ in header.segments():
+        cfg = _codec.CodecConfig(header.dim, bits, options.seed, options.rotation)
+        encoded.append(_encode_vectors(_group_view(host, header, g, lo, hi), cfg, block_vectors, devices))
+
+    count, total, largest = _norm_overflow([n for _, n in encoded])
+    if count and options.norm_dtype == "float16":
+        raise NormOverflowError(NORM_OVERFLOW.format(count=count, total=total, largest=largest))
+    if count or options.norm_dtype == "float32":
+        header = options.header(host.shape, dtype, norm_dtype="float32")
+    ndt = np.float32 if header.norm_dtype == "float32" else np.float16
+
+    pieces = [_wire.header_bytes(header)]
+    for chunks, norms in encoded:
+        pieces.append(_wire._I64.pack(sum(len(c) for c in chunks)))
+        pieces.extend(memoryview(c) for c in chunks)
+        nb = norms.astype(ndt)
+        pieces.append(_wire._I64.pack(nb.nbytes))
+        pieces.append(memoryview(nb).cast("B"))
+    if header.version == _wire.VERSION_2:
+        raw = _raw_bytes(host, header)
+        pieces.append(_wire._I64.pack(sum(len(r) for r in raw)))
+        pieces.extend(raw)
+    return header, pieces
+
+
+def _write(header, pieces, out: memoryview) -> int:
     off = 0
-
-    def put(b):
-        nonlocal off
+    for b in pieces:
         n = len(b)
         out[off : off + n] = b
         off += n
-
-    put(head)
-    put(_wire._I64.pack(idx_n))
-    for c in chunks:
-        put(memoryview(c))
-    put(_wire._I64.pack(nrm_n))
-    put(memoryview(norms16).cast("B"))
+    if header.checksum:
+        out[off : off + 4] = _wire._U32.pack(zlib.crc32(out[:off]))
+        off += 4
     return off
 
 
-def dumps(x, *, bits: int, seed: int = 42, block_vectors: int | None = None, device=None) -> bytes:
-    """Encode a tensor into a TQ01 version-1 blob, byte-compatible with the reference.
+def _resolve(bits, options: dict) -> _options.Options:
+    if isinstance(bits, _options.Options):
+        if options:
+            raise ValueError("pass either an Options object or keyword options, not both")
+        return bits
+    return _options.Options.make(bits, **options)
+
+
+def serialized_size(shape, dtype, bits=None, **options) -> int:
+    """Exact blob length for a tensor of ``shape``/``dtype`` under ``bits``/``options``.
+
+    Computed from the layout alone. With ``norm_dtype="auto"`` (the default) this is
+    the length when every norm fits float16; an overflowing tensor is written with
+    float32 norms instead (2 more bytes per vector). Pin ``norm_dtype`` when the size
+    must be known in advance (the LMCache bridge does).
+
+    Examples:
+        >>> serialized_size((2, 32, 256, 8, 128), "bfloat16", 4)
+        8650831
+    """
+    return _resolve(bits, options).serialized_size(shape, dtype)
+
+
+def dumps(x, bits=None, *, block_vectors: int | None = None, device=None, **options) -> bytes:
+    """Encode a tensor into a TQ01 blob.
+
+    With the reference's settings (one ``bits`` of 2, 3, 4, 6 or 8, Haar rotation,
+    norms that fit float16) the blob is version 1, byte-compatible with
+    ``lmcache-turbo-quant-serde``; any other setting writes version 2.
 
     Args:
-        x: numpy or jax array ``(..., head_dim)`` of bfloat16, float16 or float32.
-        bits: 2, 3, 4, 6 or 8 bits per coordinate.
-        seed: rotation seed (stored as int32; only the low 32 bits matter).
+        x: numpy or jax array ``(..., head_dim)`` of bfloat16, float16 or float32. With
+            per-group bits or raw layers: ``[2 (K, V) or 1, layers, ..., head_dim]``.
+        bits: bits per coordinate for every vector (or an :class:`~tq_jax.Options`).
         block_vectors: vectors per kernel call (default: ~2**20 coordinates).
         device: JAX device to compute on (default: JAX's default device), or a
             sequence of devices that take blocks in turn; the bytes do not depend
             on how many devices share the work.
+        **options: :class:`~tq_jax.Options` fields: ``seed`` (42), ``key_bits``,
+            ``value_bits``, ``skip_first_layers``, ``skip_last_layers``, ``rotation``
+            ("haar"), ``norm_dtype`` ("auto"), ``norm_correction``, ``checksum``.
 
     Returns:
-        The blob; its length is :func:`tq_jax.serialized_size` of the layout.
+        The blob.
 
     Raises:
-        ValueError: unsupported bits/dtype/shape.
-        NormOverflowError: a finite vector's norm exceeds float16's range.
+        ValueError: unsupported bits/dtype/shape/option.
+        NormOverflowError: ``norm_dtype="float16"`` and a finite norm exceeds 65504.
     """
-    header, chunks, norms16 = _encode_sections(x, bits, seed, block_vectors, device)
-    out = bytearray(_wire.serialized_size(header.shape, header.dtype, header.bits))
-    n = _write(header, chunks, norms16, memoryview(out))
-    assert n == len(out)
+    header, pieces = _encode(x, _resolve(bits, options), block_vectors, device)
+    out = bytearray(_wire.blob_nbytes(header))
+    n = _write(header, pieces, memoryview(out))
+    assert n == len(out), (n, len(out))
     return bytes(out)
 
 
-def dump_into(x, out, *, bits: int, seed: int = 42, block_vectors: int | None = None, device=None) -> int:
+def dump_into(x, out, bits=None, *, block_vectors: int | None = None, device=None, **options) -> int:
     """Like :func:`dumps`, but write into ``out`` (a writable bytes-like/uint8 buffer).
 
     Nothing is written unless the whole blob fits and encoding succeeded.
 
     Returns:
-        The number of bytes written (the exact serialized size).
+        The number of bytes written.
 
     Raises:
         ValueError: ``out`` is too small (the message gives the size needed), or as
             :func:`dumps`.
     """
-    mv = memoryview(out).cast("B") if not isinstance(out, np.ndarray) else memoryview(out.reshape(-1))
+    mv = memoryview(out.reshape(-1)) if isinstance(out, np.ndarray) else memoryview(out).cast("B")
     if mv.readonly:
         raise ValueError("dump_into needs a writable buffer, got a read-only one")
+    opts = _resolve(bits, options)
     host = _host_view(x)
-    need = _wire.serialized_size(host.shape, _check_tensor(host), _check_bits_v1(bits))
+    need = opts.serialized_size(host.shape, _check_tensor(host))
     if len(mv) < need:
         raise ValueError(
             f"output buffer holds {len(mv)} bytes but this blob needs {need}: allocate "
-            f"tq_jax.serialized_size(shape, dtype, bits) bytes."
+            f"tq_jax.serialized_size(shape, dtype, ...) bytes."
         )
-    header, chunks, norms16 = _encode_sections(host, bits, seed, block_vectors, device)
-    return _write(header, chunks, norms16, mv)
+    header, pieces = _encode(host, opts, block_vectors, device)
+    if _wire.blob_nbytes(header) > len(mv):  # "auto" norms grew to float32
+        raise ValueError(
+            f"output buffer holds {len(mv)} bytes but this blob needs {_wire.blob_nbytes(header)}: some "
+            f"norms overflow float16, so they are stored as float32. Pin norm_dtype to size buffers in advance."
+        )
+    return _write(header, pieces, mv)
 
 
 # --------------------------------------------------------------------------- decode
@@ -297,23 +362,14 @@ def _np_dtype(dtype):
     return np.dtype(jnp.dtype(dtype))
 
 
-def _decode_parsed(p: _wire.Parsed, out: np.ndarray, block_vectors, device) -> None:
-    h = p.header
-    dim, bits, n_vec = h.dim, h.bits, h.num_vectors
-    cfg = _codec.CodecConfig(dim, bits, h.seed)
-    devices = _device_list(device)
+def _decode_vectors(stream, norms, out_flat, cfg, header, block_vectors, devices, qjl=None):
+    """Decode one segment's stream + norms into ``out_flat`` (n, d), block by block."""
+    n_vec, dim = out_flat.shape
+    bits = cfg.bits
     tabs = [_codec.device_tables(cfg, d) for d in devices]
-    dtype = jnp.dtype(out.dtype)
-    flat_out = out.reshape(n_vec, dim)
+    dtype = jnp.dtype(out_flat.dtype)
     block = _block_vectors(dim, block_vectors)
-    qjl_matrix = None
-    if h.use_qjl:
-        try:
-            qjl_matrix = _rotation.qjl_matrix(dim, h.qjl_sketch_size, h.seed)
-        except ValueError as e:
-            raise _wire.BadFieldError(f"TQ01 QJL blob cannot be decoded: {e}") from None
-        qjl_matrix = [jax.device_put(qjl_matrix, d) for d in devices]
-
+    nc = header.norm_correction
     pending = []
     for i, start in enumerate(range(0, n_vec, block)):
         dev = devices[i % len(devices)]
@@ -321,32 +377,60 @@ def _decode_parsed(p: _wire.Parsed, out: np.ndarray, block_vectors, device) -> N
         nb = min(block, n_vec - start)
         rows = block if nb == block else bucket(nb)
         lo = start * dim * bits // 8  # exact: start is a multiple of 8
-        hi = min(len(p.indices), lo + (nb * dim * bits + 7) // 8)
-        stream = p.indices[lo:hi]
+        hi = min(len(stream), lo + (nb * dim * bits + 7) // 8)
+        piece = stream[lo:hi]
         want = rows * dim * bits // 8
-        if len(stream) != want:
+        if len(piece) != want:
             padded = np.zeros(want, np.uint8)
-            padded[: min(len(stream), want)] = stream[:want]
-            stream = padded
+            padded[: len(piece)] = piece
+            piece = padded
         put = functools.partial(jax.device_put, device=dev)
-        norms = put(_pad_rows(p.norms[start : start + nb], rows))
-        if h.use_qjl:
+        nrm = put(_pad_rows(norms[start : start + nb], rows))
+        if qjl is not None:
+            sketch, residual, matrices = qjl
             res = _decode_block_qjl(
-                put(stream),
-                norms,
-                put(_pad_rows(p.sketch[start : start + nb], rows)),
-                put(_pad_rows(p.residual_norms[start : start + nb], rows)),
+                put(piece),
+                nrm,
+                put(_pad_rows(sketch[start : start + nb], rows)),
+                put(_pad_rows(residual[start : start + nb], rows)),
                 rot,
                 cen,
-                qjl_matrix[i % len(devices)],
+                matrices[i % len(devices)],
                 bits=bits,
                 dtype=dtype,
             )
         else:
-            res = _decode_block(put(stream), norms, rot, cen, bits=bits, dtype=dtype)
+            res = _decode_block(put(piece), nrm, rot, cen, bits=bits, dtype=dtype, norm_correction=nc)
         pending.append((start, nb, res))
     for start, nb, res in pending:
-        flat_out[start : start + nb] = np.asarray(res)[:nb]
+        out_flat[start : start + nb] = np.asarray(res)[:nb]
+
+
+def _decode_parsed(p: _wire.Parsed, out: np.ndarray, block_vectors, device) -> None:
+    h = p.header
+    devices = _device_list(device)
+    out = out.reshape(h.shape)
+    qjl = None
+    if h.use_qjl:
+        try:
+            m = _rotation.qjl_matrix(h.dim, h.qjl_sketch_size, h.seed)
+        except ValueError as e:
+            raise _wire.BadFieldError(f"TQ01 QJL blob cannot be decoded: {e}") from None
+        qjl = (p.sketch, p.residual_norms, [jax.device_put(m, d) for d in devices])
+    for (g, bits, lo, hi, _), stream, norms in zip(h.segments(), p.indices, p.norms):
+        cfg = _codec.CodecConfig(h.dim, bits, h.seed, h.rotation)
+        _decode_vectors(stream, norms, _group_view(out, h, g, lo, hi), cfg, h, block_vectors, devices, qjl)
+    if h.kv_layout and (h.skip_first or h.skip_last):
+        src_dt = _np_dtype(jnp.dtype(h.dtype))
+        layers = h.shape[1]
+        off = 0
+        for g in range(h.shape[0]):
+            for lo, hi in ((0, h.skip_first), (layers - h.skip_last, layers)):
+                if hi > lo:
+                    part = out[g, lo:hi]
+                    n = part.size * src_dt.itemsize
+                    part[...] = p.raw[off : off + n].view(src_dt).reshape(part.shape)
+                    off += n
 
 
 def _check_out_dtype(dtype):
@@ -360,7 +444,7 @@ def _check_out_dtype(dtype):
 
 
 def loads(blob, *, dtype=None, block_vectors: int | None = None, device=None) -> jax.Array:
-    """Decode a TQ01 blob (any the reference writes, QJL included) into a JAX array.
+    """Decode a TQ01 blob (version 1 or 2; every blob the reference writes, QJL included).
 
     Args:
         blob: bytes-like object or 1-D uint8 numpy array.
@@ -373,7 +457,7 @@ def loads(blob, *, dtype=None, block_vectors: int | None = None, device=None) ->
         ``jax.Array`` of the blob's shape.
 
     Raises:
-        WireError: the blob is malformed (one subclass per cause).
+        WireError: the blob is malformed or corrupt (one subclass per cause).
     """
     p = _wire.parse(blob)
     dt = _check_out_dtype(p.header.dtype if dtype is None else dtype)

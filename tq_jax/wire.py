@@ -20,6 +20,11 @@ Version 1 is byte-compatible with the reference plugin (``lmcache-turbo-quant-se
 
 There is no padding, checksum or trailer: a blob is exactly that long.
 
+Version 2 (same magic; the reference refuses it with its version error) adds per-K/V
+bits, raw edge layers, the structured rotation, float32 norms, norm correction and a
+CRC32 — see docs/TQ01-v2.md for the layout. A writer emits version 1 whenever the
+configuration (and, with ``norm_dtype="auto"``, the data) fits it.
+
 :func:`parse` reads untrusted bytes in a fixed order — length of the fixed prefix,
 magic, version, fields against named limits, element counts in Python ints, every
 declared section length against the one the header implies *and* against the bytes
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import math
 import struct
+import zlib
 from typing import NamedTuple
 
 import numpy as np
@@ -54,9 +60,12 @@ __all__ = [
     "LimitError",
     "SectionLengthError",
     "TrailingBytesError",
+    "ChecksumError",
+    "VERSION_2",
     "header_bytes",
     "header_nbytes",
     "serialized_size",
+    "blob_nbytes",
     "section_sizes",
     "parse",
     "peek_header",
@@ -64,10 +73,26 @@ __all__ = [
 
 MAGIC = b"TQ01"
 VERSION_1 = 1
+VERSION_2 = 2
+VERSIONS = (VERSION_1, VERSION_2)
 READ_BITS_V1 = (2, 3, 4, 6, 8)  # the widths the reference (tqai.packing) accepts
 DTYPES = ("bfloat16", "float16", "float32")
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+NORM_DTYPES = ("float16", "float32")
 
 _PREFIX = struct.Struct("<4sBBBHi")  # magic version bits use_qjl qjl_m seed: 13 bytes
+# v2: magic version flags rotation key_bits value_bits skip_first skip_last seed: 17 bytes
+_PREFIX2 = struct.Struct("<4sBBBBBHHi")
+_U32 = struct.Struct("<I")
+
+FLAG_CHECKSUM = 0x01  # a CRC32 (zlib) of every preceding byte ends the blob
+FLAG_NORM_CORRECTION = 0x02  # decoders rescale centroid vectors to unit length
+FLAG_NORMS_F32 = 0x04  # norms are float32 (else float16)
+FLAG_KV = 0x08  # axis 0 holds groups (K, V) and axis 1 layers: per-group bits, raw layers
+_FLAGS_KNOWN = FLAG_CHECKSUM | FLAG_NORM_CORRECTION | FLAG_NORMS_F32 | FLAG_KV
+ROTATION_CODES = {"haar": 0, "hadamard": 1}
+_ROTATION_NAMES = {v: k for k, v in ROTATION_CODES.items()}
+MAX_SKIP_LAYERS = 0xFFFF
 _I64 = struct.Struct("<q")
 
 # Named limits: a header that exceeds one is refused before anything is sliced.
@@ -109,6 +134,10 @@ class TrailingBytesError(WireError):
     """Bytes remain after the last section."""
 
 
+class ChecksumError(WireError):
+    """The CRC32 of a version-2 blob does not match its bytes."""
+
+
 class Header(NamedTuple):
     """The self-describing part of a TQ01 blob.
 
@@ -120,6 +149,14 @@ class Header(NamedTuple):
         use_qjl: whether a QJL residual section follows (read-only support).
         qjl_sketch_size: QJL sketch size m (64 when unused, as the reference writes).
         version: format version.
+        value_bits: v2 with ``kv_layout``: bits of group 1 (V); ``bits`` is group 0 (K).
+        kv_layout: v2: axis 0 holds groups (K, V), axis 1 layers.
+        skip_first: v2: leading layers (axis 1) stored raw.
+        skip_last: v2: trailing layers stored raw.
+        rotation: "haar" or "hadamard".
+        norm_dtype: "float16" or "float32".
+        norm_correction: decoders rescale centroid vectors to unit length.
+        checksum: a CRC32 trailer covers the blob.
     """
 
     bits: int
@@ -129,6 +166,14 @@ class Header(NamedTuple):
     use_qjl: bool = False
     qjl_sketch_size: int = 64
     version: int = VERSION_1
+    value_bits: int | None = None
+    kv_layout: bool = False
+    skip_first: int = 0
+    skip_last: int = 0
+    rotation: str = "haar"
+    norm_dtype: str = "float16"
+    norm_correction: bool = False
+    checksum: bool = False
 
     @property
     def dim(self) -> int:
@@ -138,15 +183,40 @@ class Header(NamedTuple):
     def num_vectors(self) -> int:
         return math.prod(self.shape[:-1])
 
+    def segments(self) -> list:
+        """The quantized parts, in wire order: ``(group, bits, layer_lo, layer_hi, n_vectors)``.
+
+        Without ``kv_layout`` there is one segment: the whole tensor (group/layers None).
+        """
+        if not self.kv_layout:
+            return [(None, self.bits, None, None, self.num_vectors)]
+        groups, layers = self.shape[0], self.shape[1]
+        per_layer = math.prod(self.shape[2:-1])
+        lo, hi = self.skip_first, layers - self.skip_last
+        vb = self.bits if self.value_bits is None else self.value_bits
+        return [(g, self.bits if g == 0 else vb, lo, hi, (hi - lo) * per_layer) for g in range(groups)]
+
+    def raw_nbytes(self) -> int:
+        """Bytes of the raw (unquantized) edge layers, all groups."""
+        if not self.kv_layout:
+            return 0
+        per_layer = math.prod(self.shape[2:])
+        return self.shape[0] * (self.skip_first + self.skip_last) * per_layer * _ITEMSIZE[self.dtype]
+
 
 class Parsed(NamedTuple):
-    """A parsed blob: header plus zero-copy views of its sections."""
+    """A parsed blob: header plus zero-copy views of its sections.
+
+    ``indices``/``norms`` are lists with one entry per :meth:`Header.segments` entry
+    (one for version 1); ``raw`` holds the raw edge layers (empty for version 1).
+    """
 
     header: Header
-    indices: np.ndarray  # uint8 (idx_len,)
-    norms: np.ndarray  # float16 (num_vectors,)
+    indices: list  # of uint8 (idx_len,)
+    norms: list  # of float16/float32 (n_vectors,)
     sketch: np.ndarray | None  # int8 (num_vectors, m)
     residual_norms: np.ndarray | None  # float16 (num_vectors,)
+    raw: np.ndarray  # uint8 (raw_nbytes,)
 
 
 def _seed32(seed: int) -> int:
@@ -155,12 +225,13 @@ def _seed32(seed: int) -> int:
     return s - (1 << 32) if s >= (1 << 31) else s
 
 
-def header_nbytes(ndim: int, dtype: str) -> int:
-    return _PREFIX.size + 1 + 8 * ndim + 1 + len(dtype)
+def header_nbytes(ndim: int, dtype: str, version: int = VERSION_1) -> int:
+    prefix = _PREFIX.size if version == VERSION_1 else _PREFIX2.size
+    return prefix + 1 + 8 * ndim + 1 + len(dtype)
 
 
 def section_sizes(shape, bits: int, use_qjl: bool = False, qjl_sketch_size: int = 64):
-    """Byte lengths of (indices, norms, sketch, residual_norms) for ``shape``."""
+    """Byte lengths of (indices, norms, sketch, residual_norms) of a version-1 blob."""
     n_el = math.prod(int(s) for s in shape)
     n_vec = math.prod(int(s) for s in shape[:-1])
     idx = (n_el * bits + 7) // 8
@@ -170,18 +241,30 @@ def section_sizes(shape, bits: int, use_qjl: bool = False, qjl_sketch_size: int 
     return idx, nrm, sk, rn
 
 
+def blob_nbytes(header: Header) -> int:
+    """Exact length of the blob that ``header`` describes (Python ints: no overflow)."""
+    dim = header.shape[-1]
+    n = header_nbytes(len(header.shape), header.dtype, header.version)
+    if header.version == VERSION_1:
+        idx, nrm, sk, rn = section_sizes(header.shape, header.bits, header.use_qjl, header.qjl_sketch_size)
+        n += 8 + idx + 8 + nrm
+        return n + (8 + sk + 8 + rn if header.use_qjl else 0)
+    norm_size = 4 if header.norm_dtype == "float32" else 2
+    for _, bits, _, _, n_vec in header.segments():
+        n += 8 + (n_vec * dim * bits + 7) // 8 + 8 + n_vec * norm_size
+    n += 8 + header.raw_nbytes()
+    return n + (_U32.size if header.checksum else 0)
+
+
 def serialized_size(shape, dtype: str, bits: int, *, use_qjl: bool = False, qjl_sketch_size: int = 64) -> int:
     """Exact TQ01 v1 blob length for a tensor of ``shape`` and ``dtype`` at ``bits``.
 
     Computed from the layout alone (no data), so an LMCache ``estimate_serialized_size``
-    built on it is exact.
+    built on it is exact. For version-2 settings see :func:`tq_jax.blob.serialized_size`.
     """
     dtype = _dtype_name(dtype)
-    idx, nrm, sk, rn = section_sizes(shape, bits, use_qjl, qjl_sketch_size)
-    n = header_nbytes(len(shape), dtype) + 8 + idx + 8 + nrm
-    if use_qjl:
-        n += 8 + sk + 8 + rn
-    return n
+    h = Header(bits, 0, tuple(int(s) for s in shape), dtype, use_qjl, qjl_sketch_size)
+    return blob_nbytes(h)
 
 
 def _dtype_name(dtype) -> str:
@@ -196,37 +279,49 @@ def _dtype_name(dtype) -> str:
 
 
 def header_bytes(header: Header) -> bytes:
-    """The header of ``header`` up to (not including) the indices length field."""
+    """The header of ``header`` up to (not including) the first section length."""
     dtype = _dtype_name(header.dtype).encode("ascii")
     shape = tuple(int(s) for s in header.shape)
-    return b"".join(
-        (
-            _PREFIX.pack(
-                MAGIC,
-                header.version,
-                header.bits,
-                int(bool(header.use_qjl)),
-                header.qjl_sketch_size,
-                _seed32(header.seed),
-            ),
-            struct.pack(f"<B{len(shape)}q", len(shape), *shape),
-            struct.pack("<B", len(dtype)),
-            dtype,
+    if header.version == VERSION_1:
+        prefix = _PREFIX.pack(
+            MAGIC, VERSION_1, header.bits, int(bool(header.use_qjl)), header.qjl_sketch_size, _seed32(header.seed)
         )
+    else:
+        flags = (
+            (FLAG_CHECKSUM if header.checksum else 0)
+            | (FLAG_NORM_CORRECTION if header.norm_correction else 0)
+            | (FLAG_NORMS_F32 if header.norm_dtype == "float32" else 0)
+            | (FLAG_KV if header.kv_layout else 0)
+        )
+        vb = header.bits if header.value_bits is None else header.value_bits
+        prefix = _PREFIX2.pack(
+            MAGIC,
+            VERSION_2,
+            flags,
+            ROTATION_CODES[header.rotation],
+            header.bits,
+            vb,
+            header.skip_first,
+            header.skip_last,
+            _seed32(header.seed),
+        )
+    return b"".join(
+        (prefix, struct.pack(f"<B{len(shape)}q", len(shape), *shape), struct.pack("<B", len(dtype)), dtype)
     )
 
 
 class _Reader:
     """Bounds-checked cursor over a blob: every read checks the bytes exist first."""
 
-    __slots__ = ("buf", "off")
+    __slots__ = ("buf", "off", "end")
 
     def __init__(self, buf: memoryview):
         self.buf = buf
         self.off = 0
+        self.end = len(buf)  # a checksum trailer is excluded once verified
 
     def need(self, n: int, what: str) -> None:
-        left = len(self.buf) - self.off
+        left = self.end - self.off
         if n > left:
             raise TruncatedError(
                 f"TQ01 blob truncated: {what} needs {n} bytes at offset {self.off}, "
@@ -247,28 +342,76 @@ class _Reader:
         return view
 
 
-def _read_header(r: _Reader) -> Header:
-    magic, version, bits, use_qjl, qjl_m, seed = r.unpack(_PREFIX, "the 13-byte fixed prefix")
+def _check_bits(bits: int, allowed, what: str) -> None:
+    if bits not in allowed:
+        raise BadFieldError(f"TQ01 {what} must be one of {tuple(allowed)}, got {bits}: the header is corrupt.")
+
+
+def _read_prefix(r: _Reader) -> dict:
+    magic, version = r.unpack(struct.Struct("<4sB"), "the magic and version")
     if magic != MAGIC:
         raise BadMagicError(
             f"not a TQ01 blob: starts with {bytes(magic)!r}, expected {MAGIC!r}. Check that the "
             f"bytes came from a TQ01 writer (tq_jax or lmcache-turbo-quant-serde)."
         )
-    if version != VERSION_1:
+    if version not in VERSIONS:
         raise UnsupportedVersionError(
-            f"TQ01 version {version} is not supported by this reader (it reads version "
-            f"{VERSION_1}); upgrade tq-jax to read blobs written by a newer version."
+            f"TQ01 version {version} is not supported by this reader (it reads versions "
+            f"{VERSIONS}); upgrade tq-jax to read blobs written by a newer version."
         )
-    if bits not in READ_BITS_V1:
+    r.off = 0
+    if version == VERSION_1:
+        _, _, bits, use_qjl, qjl_m, seed = r.unpack(_PREFIX, "the 13-byte fixed prefix")
+        _check_bits(bits, READ_BITS_V1, "v1 bits")
+        if use_qjl not in (0, 1):
+            raise BadFieldError(f"TQ01 use_qjl flag must be 0 or 1, got {use_qjl}: the header is corrupt.")
+        if use_qjl and not 1 <= qjl_m <= MAX_QJL_SKETCH:
+            raise LimitError(f"TQ01 QJL sketch size {qjl_m} is outside 1..{MAX_QJL_SKETCH} (MAX_QJL_SKETCH).")
+        return dict(bits=bits, seed=seed, use_qjl=bool(use_qjl), qjl_sketch_size=qjl_m, version=1)
+    _, _, flags, rot, kb, vb, s0, s1, seed = r.unpack(_PREFIX2, "the 17-byte v2 fixed prefix")
+    if flags & ~_FLAGS_KNOWN:
+        raise BadFieldError(f"TQ01 v2 flags 0x{flags:02x} set unknown bits: the header is corrupt.")
+    if flags & FLAG_CHECKSUM:
+        _verify_checksum(r)
+    if rot not in _ROTATION_NAMES:
+        raise BadFieldError(f"TQ01 v2 rotation code {rot} is unknown (known: {ROTATION_CODES}).")
+    _check_bits(kb, range(1, 9), "key bits")
+    _check_bits(vb, range(1, 9), "value bits")
+    kv = bool(flags & FLAG_KV)
+    if not kv and (kb != vb or s0 or s1):
         raise BadFieldError(
-            f"TQ01 v1 bits must be one of {READ_BITS_V1}, got {bits}: the header is corrupt."
+            "TQ01 v2 blob without the KV-layout flag has per-group bits or raw layers: the header is corrupt."
         )
-    if use_qjl not in (0, 1):
-        raise BadFieldError(f"TQ01 use_qjl flag must be 0 or 1, got {use_qjl}: the header is corrupt.")
-    if use_qjl and not 1 <= qjl_m <= MAX_QJL_SKETCH:
-        raise LimitError(
-            f"TQ01 QJL sketch size {qjl_m} is outside 1..{MAX_QJL_SKETCH} (MAX_QJL_SKETCH)."
+    return dict(
+        bits=kb,
+        seed=seed,
+        version=2,
+        value_bits=vb,
+        kv_layout=kv,
+        skip_first=s0,
+        skip_last=s1,
+        rotation=_ROTATION_NAMES[rot],
+        norm_dtype="float32" if flags & FLAG_NORMS_F32 else "float16",
+        norm_correction=bool(flags & FLAG_NORM_CORRECTION),
+        checksum=bool(flags & FLAG_CHECKSUM),
+    )
+
+
+def _verify_checksum(r: _Reader) -> None:
+    if len(r.buf) < _PREFIX2.size + _U32.size:
+        raise TruncatedError(f"TQ01 blob truncated: {len(r.buf)} bytes cannot hold a header and its CRC32.")
+    (stored,) = _U32.unpack_from(r.buf, len(r.buf) - _U32.size)
+    actual = zlib.crc32(r.buf[: len(r.buf) - _U32.size])
+    if stored != actual:
+        raise ChecksumError(
+            f"TQ01 blob failed its CRC32 check (stored 0x{stored:08x}, computed 0x{actual:08x}): the "
+            f"blob was corrupted in storage or transit. Treat it as missing and re-fetch or re-encode it."
         )
+    r.end = len(r.buf) - _U32.size
+
+
+def _read_header(r: _Reader) -> Header:
+    fields = _read_prefix(r)
     (ndim,) = r.unpack(struct.Struct("<B"), "ndim")
     if not 1 <= ndim <= MAX_NDIM:
         raise LimitError(f"TQ01 ndim {ndim} is outside 1..{MAX_NDIM} (MAX_NDIM): the header is corrupt.")
@@ -276,9 +419,7 @@ def _read_header(r: _Reader) -> Header:
     if any(s < 0 for s in shape):
         raise BadFieldError(f"TQ01 shape {shape} has a negative entry: the header is corrupt.")
     if not 2 <= shape[-1] <= MAX_DIM:
-        raise LimitError(
-            f"TQ01 head_dim (last shape entry) {shape[-1]} is outside 2..{MAX_DIM} (MAX_DIM)."
-        )
+        raise LimitError(f"TQ01 head_dim (last shape entry) {shape[-1]} is outside 2..{MAX_DIM} (MAX_DIM).")
     # Python ints: the product cannot wrap, and it is checked before any use.
     n_el = 1
     for s in shape:
@@ -296,10 +437,18 @@ def _read_header(r: _Reader) -> Header:
         dtype = None
     if dtype not in DTYPES:
         raise BadFieldError(
-            f"TQ01 dtype {raw!r} is not one of {DTYPES}: the header is corrupt or from an "
-            f"unsupported writer."
+            f"TQ01 dtype {raw!r} is not one of {DTYPES}: the header is corrupt or from an unsupported writer."
         )
-    return Header(bits, seed, tuple(shape), dtype, bool(use_qjl), qjl_m, version)
+    if fields.get("kv_layout"):
+        if ndim < 3 or shape[0] not in (1, 2):
+            raise BadFieldError(
+                f"TQ01 v2 KV layout needs shape [groups(1|2), layers, ..., head_dim], got {shape}: the header is corrupt."
+            )
+        if fields["skip_first"] + fields["skip_last"] > shape[1]:
+            raise BadFieldError(
+                f"TQ01 v2 raw layers {fields['skip_first']} + {fields['skip_last']} exceed the {shape[1]} layers."
+            )
+    return Header(shape=tuple(shape), dtype=dtype, **fields)
 
 
 def _section(r: _Reader, expected: int, what: str) -> memoryview:
@@ -315,22 +464,22 @@ def _section(r: _Reader, expected: int, what: str) -> memoryview:
 def _as_memoryview(blob) -> memoryview:
     if isinstance(blob, np.ndarray):
         if blob.dtype != np.uint8 or blob.ndim != 1:
-            raise TypeError(
-                f"a TQ01 blob array must be 1-D uint8, got {blob.dtype} with shape {blob.shape}"
-            )
+            raise TypeError(f"a TQ01 blob array must be 1-D uint8, got {blob.dtype} with shape {blob.shape}")
         blob = np.ascontiguousarray(blob)
     try:
         mv = memoryview(blob)
     except TypeError:
         raise TypeError(
-            f"a TQ01 blob must be bytes, bytearray, memoryview or a 1-D uint8 array, got "
-            f"{type(blob).__name__}"
+            f"a TQ01 blob must be bytes, bytearray, memoryview or a 1-D uint8 array, got {type(blob).__name__}"
         ) from None
     return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
 
 
 def peek_header(blob) -> Header:
-    """Parse only the header (for ``inspect``-style tools and size checks)."""
+    """Parse only the header (for ``inspect``-style tools and size checks).
+
+    A version-2 blob's checksum is verified here too when it has one.
+    """
     return _read_header(_Reader(_as_memoryview(blob)))
 
 
@@ -349,23 +498,35 @@ def parse(blob) -> Parsed:
     """
     r = _Reader(_as_memoryview(blob))
     h = _read_header(r)
-    idx_n, nrm_n, sk_n, rn_n = section_sizes(h.shape, h.bits, h.use_qjl, h.qjl_sketch_size)
-    idx = _section(r, idx_n, "indices")
-    nrm = _section(r, nrm_n, "norms")
+    dim = h.dim
     sk = rn = None
-    if h.use_qjl:
-        sk = _section(r, sk_n, "QJL sketch")
-        rn = _section(r, rn_n, "QJL residual norms")
-    if r.off != len(r.buf):
+    if h.version == VERSION_1:
+        idx_n, nrm_n, sk_n, rn_n = section_sizes(h.shape, h.bits, h.use_qjl, h.qjl_sketch_size)
+        indices = [np.frombuffer(_section(r, idx_n, "indices"), np.uint8)]
+        norms = [np.frombuffer(_section(r, nrm_n, "norms"), np.float16)]
+        if h.use_qjl:
+            sk = _section(r, sk_n, "QJL sketch")
+            rn = _section(r, rn_n, "QJL residual norms")
+        raw = np.zeros(0, np.uint8)
+    else:
+        ndt = np.float32 if h.norm_dtype == "float32" else np.float16
+        indices, norms = [], []
+        for g, bits, _, _, n_vec in h.segments():
+            name = "" if g is None else f" group {g}"
+            indices.append(np.frombuffer(_section(r, (n_vec * dim * bits + 7) // 8, f"indices{name}"), np.uint8))
+            norms.append(np.frombuffer(_section(r, n_vec * np.dtype(ndt).itemsize, f"norms{name}"), ndt))
+        raw = np.frombuffer(_section(r, h.raw_nbytes(), "raw layers"), np.uint8)
+    if r.off != r.end:
         raise TrailingBytesError(
-            f"TQ01 blob has {len(r.buf) - r.off} bytes after its last section (expected "
+            f"TQ01 blob has {r.end - r.off} bytes after its last section (expected "
             f"{r.off} bytes in all): the blob is corrupt or two blobs were concatenated."
         )
     n_vec = h.num_vectors
     return Parsed(
         h,
-        np.frombuffer(idx, np.uint8),
-        np.frombuffer(nrm, np.float16),
+        indices,
+        norms,
         None if sk is None else np.frombuffer(sk, np.int8).reshape(n_vec, h.qjl_sketch_size),
         None if rn is None else np.frombuffer(rn, np.float16),
+        raw,
     )
