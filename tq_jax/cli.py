@@ -1,0 +1,367 @@
+"""The ``tq-jax`` command: compress, decompress, inspect and bench.
+
+Usage::
+
+    tq-jax bench [--quick] [--out-dir DIR]
+    tq-jax compress IN [IN ...] OUT [--bits 4] [--seed 42] [--head-dim 128] [--all] ...
+    tq-jax decompress IN [IN ...] OUT
+    tq-jax inspect FILE [--json] [-v]
+
+Errors a person can fix (missing or corrupt file, wrong dtype, head_dim that does not
+divide, ...) end with one line on stderr and exit status 1; usage errors exit 2.
+See docs/cli.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+from tq_jax import batch as _batch
+from tq_jax import safetensors_io as _st
+
+__all__ = ["main", "build_parser"]
+
+PROG = "tq-jax"
+BITS = (2, 3, 4, 6, 8)
+
+
+def _error(msg: str) -> int:
+    print(f"{PROG}: error: {' '.join(str(msg).split())}", file=sys.stderr)
+    return 1
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _devices(spec: str):
+    import jax
+
+    devs = jax.local_devices()
+    if spec == "all":
+        return devs
+    try:
+        n = int(spec)
+    except ValueError:
+        raise _batch.CliError(f"--devices must be 'all' or a count, got {spec!r}") from None
+    if not 1 <= n <= len(devs):
+        raise _batch.CliError(f"--devices {n}: this process has {len(devs)} local device(s)")
+    return devs[:n]
+
+
+def _outputs(inputs: list[str], out: str, mode: str) -> list[str]:
+    """OUT for one input, or OUT/<name> for each of several inputs (OUT a directory)."""
+    if len(inputs) == 1 and not os.path.isdir(out) and not out.endswith(os.sep):
+        outs = [out]
+    else:
+        if os.path.exists(out) and not os.path.isdir(out):
+            raise _batch.CliError(f"{out}: with several inputs, OUT must be a directory")
+        os.makedirs(out, exist_ok=True)
+        outs = []
+        for p in inputs:
+            base = os.path.basename(p)
+            if mode == "compress":
+                base = os.path.splitext(base)[0] + ".safetensors"
+            outs.append(os.path.join(out, base))
+        dup = {o for o in outs if outs.count(o) > 1}
+        if dup:
+            raise _batch.CliError(f"several inputs would write the same output {sorted(dup)[0]}")
+    for i, o in zip(inputs, outs):
+        if os.path.exists(o) and os.path.exists(i) and os.path.samefile(i, o):
+            raise _batch.CliError(f"{o}: output would overwrite its input; choose another OUT")
+        parent = os.path.dirname(os.path.abspath(o))
+        if not os.path.isdir(parent):
+            raise _batch.CliError(f"{o}: directory {parent} does not exist")
+    return outs
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def _run(args, plan_fn, verb: str) -> int:
+    """Shared driver of compress/decompress: plan every file, run locally or distributed."""
+    from tq_jax import distributed as _dist
+
+    cluster = _dist.initialize(args.coordinator, args.num_processes, args.process_id, args.distributed,
+                               args.barrier_timeout)
+    devices = _devices(args.devices)
+    sources: list = []
+
+    def open_plans():
+        outs = _outputs(args.inputs, args.output, verb)
+        plans = []
+        for inp, out in zip(args.inputs, outs):
+            src = _batch.open_source(inp)
+            sources.append(src)
+            plans.append(plan_fn(src, out))
+        return plans, sources
+
+    kwargs = args.dumps_kwargs
+    try:
+        t0 = time.perf_counter()
+        if cluster is None:
+            plans, _ = open_plans()
+            for src, plan in zip(sources, plans):
+                prog = _batch.Progress(plan.in_nbytes, f"{verb} {os.path.basename(src.path)}", args.quiet)
+                try:
+                    _batch.run_local(plan, src, kwargs, devices, prog.update)
+                finally:
+                    prog.close()
+        else:
+            out0 = os.path.abspath(args.output.rstrip(os.sep) or args.output)
+            parts = args.parts_dir or os.path.join(os.path.dirname(out0), f".{os.path.basename(out0)}.tq-parts")
+            tag = f"[{cluster.index}/{cluster.count}] {verb}"
+            plans, _ = _dist.run_distributed(
+                cluster, open_plans, kwargs, devices, parts,
+                lambda total: _batch.Progress(total, tag, args.quiet),
+            )
+        dt = time.perf_counter() - t0
+    finally:
+        for s in sources:
+            s.close()
+    if not args.quiet and (cluster is None or cluster.index == 0):
+        for plan in plans:
+            n_tq = len(plan.tq["tensors"])
+            n_raw = len(plan.entries) - n_tq
+            a, b = os.path.getsize(plan.src), os.path.getsize(plan.out)
+            ratio = f" ({a / b:.2f}x)" if verb == "compress" and b else ""
+            print(f"{verb}ed {plan.src} -> {plan.out}: {n_tq} TQ01 tensor(s), {n_raw} passed through; "
+                  f"{_mb(a)} -> {_mb(b)}{ratio}")
+            if verb == "compress" and n_tq == 0:
+                print(f"{PROG}: note: no tensor of {plan.src} was compressed: only floating tensors whose last "
+                      f"axis is --head-dim ({args.head_dim}) are, unless --all is given.", file=sys.stderr)
+        total = sum(p.in_nbytes for p in plans)
+        print(f"{len(plans)} file(s) in {dt:.2f} s ({total / 1e6 / max(dt, 1e-9):,.1f} MB/s)"
+              + (f" on {cluster.count} processes" if cluster else f" on {len(devices)} device(s)"))
+    return 0
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def cmd_compress(args) -> int:
+    if args.head_dim < 2:
+        raise _batch.CliError(f"--head-dim must be at least 2, got {args.head_dim}")
+    opts = _batch.CompressOptions(
+        bits=args.bits, seed=args.seed, head_dim=args.head_dim, all=args.all,
+        exclude=tuple(args.exclude), chunk_bytes=_chunk_bytes(args.chunk_mb),
+    )
+    args.dumps_kwargs = opts.dumps_kwargs()
+    return _run(args, lambda src, out: _batch.plan_compress(src, out, opts), "compress")
+
+
+def cmd_decompress(args) -> int:
+    args.dumps_kwargs = {}
+    cb = _chunk_bytes(args.chunk_mb)
+    return _run(args, lambda src, out: _batch.plan_decompress(src, out, cb), "decompress")
+
+
+def _chunk_bytes(mb: float) -> int:
+    if not mb > 0:
+        raise _batch.CliError(f"--chunk-mb must be positive, got {mb}")
+    return max(1, int(mb * 2**20))
+
+
+def _inspect_doc(path: str) -> dict:
+    import tq_jax
+
+    path = _batch.check_input(path)
+    with open(path, "rb") as f:
+        head = f.read(512)
+        size = os.fstat(f.fileno()).st_size
+    if head[:4] == b"TQ01":  # a bare blob
+        try:
+            h = tq_jax.peek_header(head)
+        except tq_jax.WireError as e:
+            raise _batch.CliError(f"{path}: corrupt TQ01 blob: {e}") from None
+        orig = math.prod(h.shape) * _st.DTYPES[{"bfloat16": "BF16", "float16": "F16", "float32": "F32"}[h.dtype]].itemsize
+        return {"file": path, "kind": "TQ01 blob", "bytes": size, "tensors": [{
+            "name": os.path.basename(path), "kind": "TQ01", "dtype": h.dtype, "shape": list(h.shape),
+            "bits": h.bits, "seed": h.seed, "version": h.version, "qjl": h.use_qjl, "blobs": 1,
+            "stored_bytes": size, "original_bytes": orig, "ratio": orig / size if size else None,
+            "blob_headers": [h._asdict()],
+        }]}
+    with _batch.open_source(path) as src:
+        doc = _batch.read_tq_metadata(src)
+        metas = doc["tensors"] if doc else {}
+        rows = []
+        for info in src.tensors.values():
+            meta = metas.get(info.name)
+            if meta is None:
+                rows.append({"name": info.name, "kind": "raw", "dtype": info.dtype, "shape": list(info.shape),
+                             "stored_bytes": info.nbytes, "original_bytes": info.nbytes, "ratio": 1.0})
+                continue
+            headers = _batch.blob_headers(src, info.name, meta)
+            hs = [h for _, _, h in headers]
+            orig = math.prod(meta["shape"]) * _st.DTYPES[meta["dtype"]].itemsize
+
+            def one(field, hs=hs):
+                vals = sorted({getattr(h, field) for h in hs})
+                return vals[0] if len(vals) == 1 else vals
+
+            rows.append({
+                "name": info.name, "kind": "TQ01", "dtype": meta["dtype"], "shape": meta["shape"],
+                "bits": one("bits"), "seed": one("seed"), "version": one("version"), "qjl": one("use_qjl"),
+                "blobs": len(hs), "stored_bytes": info.nbytes, "original_bytes": orig,
+                "ratio": orig / info.nbytes if info.nbytes else None,
+                "blob_headers": [dict(h._asdict(), offset=off, nbytes=nb) for off, nb, h in headers],
+            })
+        user_meta = {k: v for k, v in src.metadata.items() if k != _batch.META_KEY}
+        return {"file": path, "kind": f"tq-jax {src.kind}" if doc else src.kind, "bytes": size,
+                "format_version": doc["version"] if doc else None, "metadata": user_meta, "tensors": rows}
+
+
+def cmd_inspect(args) -> int:
+    doc = _inspect_doc(args.file)
+    if args.json:
+        print(json.dumps(doc, indent=2, default=list))
+        return 0
+    rows = [["name", "kind", "dtype", "shape", "bits", "seed", "ver", "blobs", "stored", "original", "ratio"]]
+    for t in doc["tensors"]:
+        tq = t["kind"] == "TQ01"
+        rows.append([
+            t["name"], t["kind"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar",
+            str(t["bits"]) if tq else "-", str(t["seed"]) if tq else "-", str(t["version"]) if tq else "-",
+            str(t["blobs"]) if tq else "-", f"{t['stored_bytes']:,}", f"{t['original_bytes']:,}",
+            f"{t['ratio']:.2f}x" if t["ratio"] else "-",
+        ])
+        if args.verbose and tq:
+            for i, h in enumerate(t["blob_headers"]):
+                rows.append([f"  blob {i}", "", h["dtype"], "x".join(map(str, h["shape"])), str(h["bits"]),
+                             str(h["seed"]), str(h["version"]), "qjl" if h["use_qjl"] else "",
+                             f"{h.get('nbytes', doc['bytes']):,}", "", ""])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    print(f"{doc['file']}: {doc['kind']}, {doc['bytes']:,} bytes, {len(doc['tensors'])} tensor(s)")
+    for k, v in (doc.get("metadata") or {}).items():
+        print(f"  metadata {k} = {v if len(v) <= 80 else v[:77] + '...'}")
+    for r in rows:
+        print("  " + "  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+    stored = sum(t["stored_bytes"] for t in doc["tensors"])
+    orig = sum(t["original_bytes"] for t in doc["tensors"])
+    n_tq = sum(t["kind"] == "TQ01" for t in doc["tensors"])
+    print(f"total: {n_tq} TQ01 tensor(s), {len(doc['tensors']) - n_tq} raw; {stored:,} bytes stored, "
+          f"{orig:,} original" + (f" ({orig / stored:.2f}x)" if stored else ""))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from tq_jax import bench as _bench
+
+    bits = []
+    for b in args.bits.split(","):
+        try:
+            b = int(b)
+        except ValueError:
+            b = None
+        if b not in BITS:
+            raise _batch.CliError(f"--bits takes a comma-separated list of {BITS}, got {args.bits!r}")
+        bits.append(b)
+    if args.repeats < 1:
+        raise _batch.CliError(f"--repeats must be at least 1, got {args.repeats}")
+    _bench.run_bench(quick=args.quick, bits=tuple(bits), repeats=args.repeats, seed=args.seed,
+                     reference=not args.no_reference, plots=not args.no_plots, out_dir=args.out_dir,
+                     devices=_devices(args.devices))
+    return 0
+
+
+# --------------------------------------------------------------------------- parser
+
+
+def _add_run_options(p):
+    p.add_argument("inputs", nargs="+", metavar="IN", help="input file(s)")
+    p.add_argument("output", metavar="OUT", help="output file, or a directory when there are several inputs")
+    p.add_argument("--chunk-mb", type=float, default=_batch.DEFAULT_CHUNK_BYTES / 2**20,
+                   help="largest piece of a tensor processed at once, in MiB (default: 64); "
+                        "compress writes one blob per piece")
+    p.add_argument("--devices", default="all", help="local JAX devices to use: 'all' (default) or a count")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
+    g = p.add_argument_group("several hosts (jax.distributed; see docs/cli.md)")
+    g.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0's coordination service")
+    g.add_argument("--num-processes", type=int, help="number of processes in the job")
+    g.add_argument("--process-id", type=int, help="this process's index, 0..N-1")
+    g.add_argument("--distributed", action="store_true",
+                   help="call jax.distributed.initialize() with cluster auto-detection (TPU pods, SLURM, ...)")
+    g.add_argument("--parts-dir", help="shared directory for the processes' parts (default: next to OUT)")
+    g.add_argument("--barrier-timeout", type=float, default=6 * 3600.0, metavar="SECONDS",
+                   help="how long a process waits for the others at each step (default: 6 h)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="TurboQuant KV-cache compression (TQ01) in JAX: compress tensor files, inspect them, benchmark.",
+        epilog="Start with `tq-jax bench`. Documentation: docs/cli.md.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("compress", help="compress the KV tensors of .safetensors/.npy/.npz files into TQ01",
+                       description="Every floating tensor whose last axis is --head-dim becomes TQ01 blob(s) "
+                                   "stored as a U8 tensor under the same name; other tensors pass through.")
+    _add_run_options(p)
+    p.add_argument("--bits", type=int, choices=BITS, default=4, help="bits per coordinate (default: 4)")
+    p.add_argument("--seed", type=int, default=42, help="rotation seed (default: 42)")
+    p.add_argument("--head-dim", type=int, default=128, help="vector length (default: 128)")
+    p.add_argument("--all", action="store_true",
+                   help="compress every floating tensor, splitting a last axis of n*head_dim into (n, head_dim)")
+    p.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
+                   help="keep tensors whose name matches this glob uncompressed (repeatable)")
+    p.set_defaults(func=cmd_compress)
+
+    p = sub.add_parser("decompress", help="restore the tensors of files written by compress",
+                       description="Inverse of compress: same names, shapes and dtypes. OUT ending in .npy/.npz "
+                                   "writes that format; anything else writes safetensors.")
+    _add_run_options(p)
+    p.set_defaults(func=cmd_decompress)
+
+    p = sub.add_parser("inspect", help="list a file's tensors, TQ01 header fields, sizes and ratios (no decoding)")
+    p.add_argument("file", metavar="FILE", help=".safetensors (compressed or not), .npy, .npz, or a bare TQ01 blob")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("-v", "--verbose", action="store_true", help="one line per blob")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("bench", help="tq-jax vs the reference vs fp8 vs memcpy on a built-in KV workload",
+                       description="Side-by-side table and PNG charts on a W1-shaped synthetic KV cache "
+                                   "[2, 32, 256, 8, 128] bf16 (no download).")
+    p.add_argument("--quick", action="store_true", help="a small workload [2, 4, 64, 8, 128] (seconds)")
+    p.add_argument("--bits", default="2,3,4,8", help="tq-jax bit widths, comma-separated (default: 2,3,4,8)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per method after a warm-up (default: 3)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    p.add_argument("--out-dir", default="tq-jax-bench", help="where to write bench.md/json and PNGs")
+    p.add_argument("--no-reference", action="store_true", help="skip the reference plugin even if installed")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG charts")
+    p.add_argument("--devices", default="all", help="local JAX devices to use: 'all' (default) or a count")
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv=None) -> int:
+    """Entry point of the ``tq-jax`` console script; returns the exit status."""
+    import tq_jax
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except _batch.CliError as e:
+        return _error(str(e))
+    except (_st.SafetensorsError, tq_jax.WireError, tq_jax.NormOverflowError) as e:
+        return _error(str(e))
+    except MemoryError:
+        return _error("out of memory: lower --chunk-mb")
+    except BrokenPipeError:  # e.g. `tq-jax inspect F | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except OSError as e:
+        where = f"{e.filename}: " if e.filename else ""
+        return _error(f"{where}{e.strerror or e}")
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
