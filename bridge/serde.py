@@ -83,6 +83,11 @@ __all__ = [
 DEVICE_CHOICES = ("cpu", "gpu", "tpu", "auto")
 """Values of the ``device`` option; all but ``auto`` may carry an index (``gpu:1``)."""
 
+# Pinned so that every blob is TQ01 version 1 (the reference reads it) and its size is known
+# from the layout alone: with the core's default norm_dtype="auto", a norm above float16's
+# range would silently switch the blob to version 2 and 2 bytes per vector longer.
+V1_OPTIONS = {"norm_dtype": "float16"}
+
 _TORCH_DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.bfloat16: "bfloat16",
     torch.float16: "float16",
@@ -249,7 +254,8 @@ def plan_layout(layout: MemoryLayoutDesc, head_dim: int, bits: int) -> list[Grou
                 f"KV group {g} has shape {list(shape)}: stored per head it has {len(stored)} "
                 f"axes, more than TQ01's MAX_NDIM={_wire.MAX_NDIM}. Flatten leading axes."
             )
-        plans.append(GroupPlan(tuple(int(s) for s in shape), stored, name, tq_jax.serialized_size(stored, name, bits)))
+        nbytes = tq_jax.serialized_size(stored, name, bits, **V1_OPTIONS)
+        plans.append(GroupPlan(tuple(int(s) for s in shape), stored, name, nbytes))
     return plans
 
 
@@ -346,7 +352,9 @@ class TQJaxSerializer(Serializer):
                 x = dlpack.numpy_view(t.contiguous()).reshape(p.stored)  # a view of L1 memory
             else:
                 x = dlpack.to_jax(t).reshape(p.stored)  # stays on its accelerator
-            n = tq_jax.dump_into(x, out[off : off + p.nbytes], bits=self.bits, seed=self.seed, device=self.device)
+            n = tq_jax.dump_into(
+                x, out[off : off + p.nbytes], bits=self.bits, seed=self.seed, device=self.device, **V1_OPTIONS
+            )
             if n != p.nbytes:  # the core promises serialized_size; keep LMCache's fs contract safe
                 raise RuntimeError(f"tq_jax.dump_into wrote {n} bytes for group {g}, expected {p.nbytes}")
             off += n

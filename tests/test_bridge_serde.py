@@ -365,3 +365,16 @@ def test_explicit_device_object():
     buf = byte_obj(ser.estimate_serialized_size(layout([shape], [BF16])))
     ser.serialize(kv(shape), buf, key(0))
     de.deserialize(buf, make_obj([shape], [BF16]), key(0))
+
+
+def test_norm_overflow_is_a_clear_error_not_a_v2_blob():
+    """The serde pins float16 norms: every blob stays TQ01 v1 at the estimated size."""
+    shape = (2, 1, 8, 256)
+    src = kv(shape, torch.float32)
+    src.tensor.mul_(1e4)  # norms ~1e5 > 65504
+    ser = S.TQJaxSerializer(bits=4)
+    buf = byte_obj(ser.estimate_serialized_size(layout([shape], [torch.float32])) + 4096)
+    buf.tensor.fill_(3)
+    with pytest.raises(tq_jax.NormOverflowError, match="float16"):
+        ser.serialize(src, buf, key(0))
+    assert (buf.tensor == 3).all()
