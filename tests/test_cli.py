@@ -1,5 +1,6 @@
 """The tq-jax command: compress/decompress round trips, inspect, error exits, bench."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -63,10 +64,12 @@ def test_roundtrip_restores_names_shapes_dtypes(tmp_path, infile, capsys):
     assert meta["model"] == "unit-test"
     assert doc["format"] == "tq-jax" and doc["version"] == 1 and doc["source"] == "safetensors"
     assert sorted(doc["tensors"]) == ["empty", "f32", "k16", "kv"]
-    assert doc["tensors"]["kv"] == {
-        "codec": "TQ01", "dtype": "BF16", "shape": [2, 3, 16, 4, HD], "head_dim": HD, "bits": 4, "seed": 42,
+    kv = doc["tensors"]["kv"]
+    assert {k: v for k, v in kv.items() if k != "options"} == {
+        "codec": "TQ01", "dtype": "BF16", "shape": [2, 3, 16, 4, HD], "head_dim": HD,
         "blobs": [tq_jax.serialized_size((2, 3, 16, 4, HD), "bfloat16", 4)],
     }
+    assert kv["options"] == dataclasses.asdict(tq_jax.Options(key_bits=4, value_bits=4, seed=42))
     assert comp["kv"].dtype == np.uint8 and comp["kv"].ndim == 1
     # Each stored blob is an ordinary TQ01 blob.
     assert tq_jax.peek_header(comp["kv"]).shape == (2, 3, 16, 4, HD)
@@ -125,6 +128,47 @@ def test_options_reach_the_blobs(tmp_path, infile):
     assert run("compress", infile, out, "--bits", 2, "--seed", 7, "-q") == 0
     h = tq_jax.peek_header(st.load_file(out)[0]["k16"])
     assert (h.bits, h.seed, h.dtype) == (2, 7, "float16")
+
+
+NOT_KV = ("--exclude", "k16", "--exclude", "f32", "--exclude", "empty")
+
+
+@pytest.mark.parametrize("chunk_mb", [64, 0.005])
+def test_v2_options_per_group_and_raw_layers(tmp_path, infile, capsys, chunk_mb):
+    flags = ["--key-bits", 4, "--value-bits", 3, "--skip-first-layers", 1, "--skip-last-layers", 1,
+             "--rotation", "hadamard", "--checksum", "--norm-correction", "-q"]
+    out, back = tmp_path / "c.safetensors", tmp_path / "b.safetensors"
+    # Per-group options need KV tensors [2, layers, ..., head_dim]: others are refused...
+    _fails(capsys, "compress", infile, out, *flags, match="tensor 'k16'")
+    # ...unless left uncompressed.
+    assert run("compress", infile, out, *flags, *NOT_KV, "--chunk-mb", chunk_mb) == 0
+    comp, meta = st.load_file(out)
+    kv = json.loads(meta["tq_jax"])["tensors"]["kv"]
+    assert kv["options"]["key_bits"] == 4 and kv["options"]["value_bits"] == 3
+    assert (len(kv["blobs"]) > 1) == (chunk_mb < 1)
+    assert run("decompress", out, back, "-q") == 0
+    got, x = st.load_file(back)[0]["kv"], _tensors()["kv"]
+    assert got.shape == x.shape and got.dtype == x.dtype
+    # The first and last layers (axis 1) of K and V are stored raw: exact.
+    for layer in (0, 2):
+        assert got[:, layer].tobytes() == x[:, layer].tobytes()
+    assert _cos(got[0, 1], x[0, 1]) > 0.99 and _cos(got[1, 1], x[1, 1]) > 0.97
+    assert _cos(got[0, 1], x[0, 1]) > _cos(got[1, 1], x[1, 1])  # keys got more bits
+    assert run("inspect", out) == 0
+    row = next(ln.split() for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("kv "))
+    assert row[4] == "4/3" and row[6] == "2" and "hadamard," in row and "crc32" in row
+    # Chunked or not, every vector decodes to the same values.
+    one = tmp_path / "one.safetensors"
+    assert run("compress", infile, one, *flags, *NOT_KV) == 0
+    assert run("decompress", one, tmp_path / "one_back.safetensors", "-q") == 0
+    assert st.load_file(tmp_path / "one_back.safetensors")[0]["kv"].tobytes() == got.tobytes()
+
+
+def test_preset_and_invalid_options(tmp_path, infile, capsys):
+    out = tmp_path / "c.safetensors"
+    assert run("compress", infile, out, "--preset", "compat-4bit", "-q") == 0
+    assert tq_jax.peek_header(st.load_file(out)[0]["kv"]).version == 1
+    _fails(capsys, "compress", infile, out, "--skip-first-layers", 9, *NOT_KV, match="layers")
 
 
 def test_npy_and_npz(tmp_path):
@@ -199,7 +243,8 @@ def test_inspect_text_and_json(tmp_path, infile, capsys):
     assert run("inspect", out, "--json") == 0
     doc = json.loads(capsys.readouterr().out)
     t = {r["name"]: r for r in doc["tensors"]}
-    assert t["kv"]["bits"] == 3 and t["kv"]["blobs"] == 1 and t["kv"]["dtype"] == "BF16"
+    assert t["kv"]["bits"] == "3" and t["kv"]["blobs"] == 1 and t["kv"]["dtype"] == "BF16"
+    assert t["kv"]["seed"] == 42 and t["kv"]["version"] == 1 and t["kv"]["options"] == "-"
     assert t["kv"]["stored_bytes"] == tq_jax.serialized_size((2, 3, 16, 4, HD), "bfloat16", 3)
     assert t["kv"]["original_bytes"] == 2 * 3 * 16 * 4 * HD * 2
     assert t["kv"]["ratio"] == pytest.approx(t["kv"]["original_bytes"] / t["kv"]["stored_bytes"])
@@ -214,7 +259,7 @@ def test_inspect_bare_blob_and_plain_files(tmp_path, infile, capsys):
     blob.write_bytes(tq_jax.dumps(np.ones((3, HD), np.float32), bits=2, seed=5))
     assert run("inspect", blob, "--json") == 0
     (t,) = json.loads(capsys.readouterr().out)["tensors"]
-    assert (t["bits"], t["seed"], t["shape"], t["dtype"]) == (2, 5, [3, HD], "float32")
+    assert (t["bits"], t["seed"], t["shape"], t["dtype"]) == ("2", 5, [3, HD], "float32")
     assert run("inspect", infile) == 0
     assert "total: 0 TQ01 tensor(s), 8 raw" in capsys.readouterr().out
 
@@ -297,7 +342,7 @@ def test_norms_beyond_float16(tmp_path, capsys):
 
 def test_usage_errors_exit_2(capsys):
     with pytest.raises(SystemExit) as e:
-        cli.main(["compress", "--bits", "5", "a", "b"])
+        cli.main(["compress", "--bits", "9", "a", "b"])
     assert e.value.code == 2
     capsys.readouterr()
 
@@ -387,5 +432,5 @@ def test_bench_without_matplotlib(tmp_path, monkeypatch, capsys):
 
 
 def test_bench_bad_bits(capsys):
-    assert run("bench", "--bits", "4,5") == 1
+    assert run("bench", "--bits", "4,9") == 1
     assert "--bits" in capsys.readouterr().err

@@ -63,6 +63,9 @@ def test_four_devices_same_bytes_as_one(tmp_path):
     a, _ = _inputs(tmp_path)
     one, back1 = tmp_path / "one.safetensors", tmp_path / "back1.safetensors"
     assert cli.main(["compress", str(a), str(one), "-q", "--chunk-mb", "8"]) == 0
+    v2 = ["--key-bits", "4", "--value-bits", "2", "--skip-first-layers", "1", "--rotation", "hadamard",
+          "--exclude", "k", "--chunk-mb", "3", "-q"]
+    assert cli.main(["compress", str(a), str(tmp_path / "v2one.safetensors"), *v2]) == 0
     assert cli.main(["decompress", str(one), str(back1), "-q"]) == 0
     out = _run_py(
         f"""
@@ -73,6 +76,7 @@ def test_four_devices_same_bytes_as_one(tmp_path):
         assert cli.main(["decompress", {str(one)!r}, {str(tmp_path / 'back4.safetensors')!r}, "-q"]) == 0
         assert cli.main(["compress", {str(a)!r}, {str(tmp_path / 'first.safetensors')!r}, "-q", "--chunk-mb", "8",
                          "--devices", "1"]) == 0
+        assert cli.main(["compress", {str(a)!r}, {str(tmp_path / 'v2four.safetensors')!r}, *{v2!r}]) == 0
         """,
         devices=4,
     )
@@ -80,6 +84,7 @@ def test_four_devices_same_bytes_as_one(tmp_path):
     assert (tmp_path / "four.safetensors").read_bytes() == one.read_bytes()
     assert (tmp_path / "first.safetensors").read_bytes() == one.read_bytes()
     assert (tmp_path / "back4.safetensors").read_bytes() == back1.read_bytes()
+    assert (tmp_path / "v2four.safetensors").read_bytes() == (tmp_path / "v2one.safetensors").read_bytes()
 
 
 def _two_processes(argv: list[str], devices: int = 2):

@@ -274,8 +274,9 @@ class Unit(NamedTuple):
     start: int
     stop: int
     shape: tuple
-    nbytes: int  # output bytes
+    nbytes: int  # output bytes (an estimate for "encode" until encoded)
     in_nbytes: int  # input bytes (for progress)
+    options: tuple = ()  # "encode": sorted (name, value) pairs for tq_jax.dumps
 
 
 class Entry(NamedTuple):
@@ -336,27 +337,31 @@ class CompressOptions(NamedTuple):
     """Settings of ``compress``.
 
     Attributes:
-        bits: TQ01 bits per coordinate.
-        seed: rotation seed.
+        options: codec options, sorted (name, value) pairs of :class:`tq_jax.Options`
+            fields (``key_bits``, ``value_bits``, ``seed``, ``rotation``, ...): what
+            :func:`tq_jax.dumps` receives, recorded in the metadata.
         head_dim: vector length; tensors whose last axis is head_dim are compressed.
         all: also compress floating tensors whose last axis is a multiple of head_dim
             (and fail on any floating tensor where it is not).
         exclude: glob patterns of tensor names to pass through unchanged.
         chunk_bytes: input bytes per blob at most (rounded to whole rows).
-        codec_kwargs: further keyword arguments for :func:`tq_jax.dumps` (sorted
-            (key, value) pairs; recorded in the metadata).
     """
 
-    bits: int = 4
-    seed: int = 42
+    options: tuple = (("key_bits", 4), ("value_bits", 4), ("seed", 42))
     head_dim: int = 128
     all: bool = False
     exclude: tuple = ()
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    codec_kwargs: tuple = ()
 
-    def dumps_kwargs(self) -> dict:
-        return {"bits": self.bits, "seed": self.seed, **dict(self.codec_kwargs)}
+    @classmethod
+    def make(cls, bits: int = 4, seed: int = 42, **kwargs) -> "CompressOptions":
+        """From ``bits``/``seed`` plus any :class:`tq_jax.Options` field and the fields above."""
+        fields = set(cls._fields)
+        codec = {k: v for k, v in kwargs.items() if k not in fields}
+        codec.setdefault("key_bits", bits)
+        codec.setdefault("value_bits", bits)
+        codec["seed"] = seed
+        return cls(options=tuple(sorted(codec.items())), **{k: v for k, v in kwargs.items() if k in fields})
 
 
 def chunk_rows(shape: tuple, itemsize: int, chunk_bytes: int) -> Iterator[tuple[int, int, tuple]]:
@@ -437,16 +442,23 @@ def plan_compress(src: Source, out: str, opts: CompressOptions) -> FilePlan:
         bshape = info.shape if last == hd else info.shape[:-1] + (last // hd, hd)
         itemsize = info.np_dtype.itemsize
         units = []
-        for s, e, cshape in chunk_rows(bshape, itemsize, opts.chunk_bytes):
-            nb = _estimate_blob_size(cshape, st.DTYPES[info.dtype], opts.dumps_kwargs())
-            units.append(Unit("encode", info.name, "U8", s, e, cshape, nb, (e - s) * itemsize))
+        for s, e, cshape, kw in _encode_chunks(bshape, itemsize, opts.chunk_bytes, dict(opts.options)):
+            try:
+                nb = tq_jax.serialized_size(cshape, st.DTYPES[info.dtype], **kw)
+            except ValueError as err:  # options the tensor cannot carry (e.g. raw layers)
+                raise CliError(
+                    f"{src.path}: tensor {info.name!r} of shape {list(info.shape)}: {err} "
+                    f"(keep it uncompressed with --exclude {info.name!r})"
+                ) from None
+            units.append(Unit("encode", info.name, "U8", s, e, cshape, nb, (e - s) * itemsize,
+                              tuple(sorted(kw.items()))))
         blobs = [u.nbytes for u in units]
         tensors[info.name] = {
             "codec": "TQ01",
             "dtype": info.dtype,
             "shape": list(info.shape),
             "head_dim": hd,
-            **opts.dumps_kwargs(),
+            "options": dict(opts.options),
             "blobs": blobs,
         }
         entries.append(Entry(info.name, "U8", (sum(blobs),), tuple(units)))
@@ -467,17 +479,56 @@ def _tq_json(doc: dict) -> str:
     return json.dumps(doc, sort_keys=True, separators=(",", ":"))
 
 
-def _estimate_blob_size(shape, dtype, kwargs: dict) -> int:
-    """The blob length when every norm fits float16 (exact for TQ01 v1 settings)."""
-    import tq_jax
+def _kv_layout(options: dict) -> bool:
+    return (
+        options.get("key_bits") != options.get("value_bits")
+        or options.get("skip_first_layers", 0) > 0
+        or options.get("skip_last_layers", 0) > 0
+    )
 
-    sized = getattr(getattr(tq_jax, "blob", None), "serialized_size", None)
-    if sized is not None and set(kwargs) - {"bits"}:
-        try:
-            return int(sized(shape, dtype, **kwargs))
-        except TypeError:
-            pass
-    return tq_jax.serialized_size(shape, dtype, kwargs["bits"])
+
+def _encode_chunks(shape: tuple, itemsize: int, chunk_bytes: int, options: dict):
+    """Chunks of a tensor to encode, each with the options that encode it.
+
+    Yields (element start, element stop, chunk shape, options). Plain options: the
+    chunks of :func:`chunk_rows`, all with the same options. Per-group bits or raw
+    edge layers (a KV tensor ``[groups, layers, ...]``): a tensor over the budget is
+    cut inside one group and then by whole layers (or rows of one layer), and each
+    chunk gets the options that say the same thing locally: its group's bits, and the
+    raw-layer counts that fall inside it. Decoding the chunks in order gives the same
+    values as one blob would.
+    """
+    total = math.prod(shape)
+    if not _kv_layout(options) or total * itemsize <= chunk_bytes or len(shape) < 3:
+        for s, e, cshape in chunk_rows(shape, itemsize, chunk_bytes):
+            yield s, e, cshape, options
+        return
+    groups, layers, rest = shape[0], shape[1], tuple(shape[2:])
+    layer = math.prod(rest)
+    first, last = options.get("skip_first_layers", 0), options.get("skip_last_layers", 0)
+    if first + last > layers:  # let the codec's own check explain it
+        yield 0, total, shape, options
+        return
+    for g in range(groups):
+        bits = options["key_bits"] if g == 0 else options["value_bits"]
+        per = chunk_bytes // (layer * itemsize)
+        spans = (
+            [(l0, min(layers, l0 + per), None) for l0 in range(0, layers, per)]
+            if per >= 1
+            else [(li, li + 1, r) for li in range(layers) for r in chunk_rows(rest, itemsize, chunk_bytes)]
+        )
+        for l0, l1, rows in spans:
+            local = dict(
+                options, key_bits=bits, value_bits=bits,
+                skip_first_layers=min(max(first - l0, 0), l1 - l0),
+                skip_last_layers=min(max(l1 - (layers - last), 0), l1 - l0),
+            )
+            base = (g * layers + l0) * layer
+            if rows is None:
+                yield base, base + (l1 - l0) * layer, (1, l1 - l0) + rest, local
+            else:
+                s, e, cshape = rows
+                yield base + s, base + e, (1, 1) + cshape, local
 
 
 def read_tq_metadata(src: Source) -> dict | None:
@@ -719,7 +770,7 @@ def byte_view(data) -> memoryview:
     return memoryview(data).cast("B")
 
 
-def produce(src: Source, unit: Unit, dumps_kwargs: dict, devices) -> np.ndarray | bytes:
+def produce(src: Source, unit: Unit, devices) -> np.ndarray | bytes:
     """The output bytes of one unit (an array or bytes of exactly ``unit.nbytes``)."""
     import tq_jax
 
@@ -729,7 +780,7 @@ def produce(src: Source, unit: Unit, dumps_kwargs: dict, devices) -> np.ndarray 
     if unit.kind == "encode":
         x = src.read(unit.name, unit.start, unit.stop).reshape(unit.shape)
         try:
-            blob = tq_jax.dumps(x, device=devices, **dumps_kwargs)
+            blob = tq_jax.dumps(x, device=devices, **dict(unit.options))
         except tq_jax.NormOverflowError as e:
             raise CliError(f"{where}: {e}") from None
         return blob
@@ -792,7 +843,7 @@ class Progress:
             self._line(end="\n")
 
 
-def run_local(plan: FilePlan, src: Source, dumps_kwargs: dict, devices,
+def run_local(plan: FilePlan, src: Source, devices,
               progress: Callable[[int], None] = lambda n: None) -> None:
     """Write ``plan.out`` in one process, unit by unit, atomically."""
     w = open_writer(plan)
@@ -800,7 +851,7 @@ def run_local(plan: FilePlan, src: Source, dumps_kwargs: dict, devices,
         sizes = {}
         for ei, e in enumerate(plan.entries):
             for ui, u in enumerate(e.units):
-                data = byte_view(produce(src, u, dumps_kwargs, devices))
+                data = byte_view(produce(src, u, devices))
                 w.write(data)
                 if u.kind != "raw":
                     sizes[ei, ui] = len(data)

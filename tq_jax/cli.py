@@ -27,7 +27,7 @@ from tq_jax import safetensors_io as _st
 __all__ = ["main", "build_parser"]
 
 PROG = "tq-jax"
-BITS = (2, 3, 4, 6, 8)
+BITS = tuple(range(1, 9))
 
 
 def _error(msg: str) -> int:
@@ -101,7 +101,6 @@ def _run(args, plan_fn, verb: str) -> int:
             plans.append(plan_fn(src, out))
         return plans, sources
 
-    kwargs = args.dumps_kwargs
     try:
         t0 = time.perf_counter()
         if cluster is None:
@@ -109,7 +108,7 @@ def _run(args, plan_fn, verb: str) -> int:
             for src, plan in zip(sources, plans):
                 prog = _batch.Progress(plan.in_nbytes, f"{verb} {os.path.basename(src.path)}", args.quiet)
                 try:
-                    _batch.run_local(plan, src, kwargs, devices, prog.update)
+                    _batch.run_local(plan, src, devices, prog.update)
                 finally:
                     prog.close()
         else:
@@ -117,7 +116,7 @@ def _run(args, plan_fn, verb: str) -> int:
             parts = args.parts_dir or os.path.join(os.path.dirname(out0), f".{os.path.basename(out0)}.tq-parts")
             tag = f"[{cluster.index}/{cluster.count}] {verb}"
             plans, _ = _dist.run_distributed(
-                cluster, open_plans, kwargs, devices, parts,
+                cluster, open_plans, devices, parts,
                 lambda total: _batch.Progress(total, tag, args.quiet),
             )
         dt = time.perf_counter() - t0
@@ -144,19 +143,48 @@ def _run(args, plan_fn, verb: str) -> int:
 # --------------------------------------------------------------------------- commands
 
 
+def codec_options(args) -> dict:
+    """The :class:`tq_jax.Options` fields the compress flags ask for (validated).
+
+    A ``--preset`` gives the starting values; ``--bits`` sets both groups; any other
+    flag given overrides.
+    """
+    import dataclasses
+
+    import tq_jax
+
+    opts = dict(tq_jax.PRESETS[args.preset]) if args.preset else {}
+    if args.bits is not None:
+        opts["key_bits"] = opts["value_bits"] = args.bits
+    for flag in _OPTION_FLAGS:
+        value = getattr(args, flag)
+        if value is not None and value is not False:
+            opts[flag] = value
+    opts.setdefault("key_bits", 4)
+    opts.setdefault("value_bits", 4)
+    opts["seed"] = args.seed
+    try:
+        return dataclasses.asdict(tq_jax.Options(**opts))
+    except (TypeError, ValueError) as e:
+        raise _batch.CliError(f"invalid codec options: {e}") from None
+
+
+# Flags passed through to tq_jax.Options under the same name (None/False: not given).
+_OPTION_FLAGS = ("key_bits", "value_bits", "skip_first_layers", "skip_last_layers", "rotation",
+                 "norm_dtype", "norm_correction", "checksum")
+
+
 def cmd_compress(args) -> int:
     if args.head_dim < 2:
         raise _batch.CliError(f"--head-dim must be at least 2, got {args.head_dim}")
     opts = _batch.CompressOptions(
-        bits=args.bits, seed=args.seed, head_dim=args.head_dim, all=args.all,
+        options=tuple(sorted(codec_options(args).items())), head_dim=args.head_dim, all=args.all,
         exclude=tuple(args.exclude), chunk_bytes=_chunk_bytes(args.chunk_mb),
     )
-    args.dumps_kwargs = opts.dumps_kwargs()
     return _run(args, lambda src, out: _batch.plan_compress(src, out, opts), "compress")
 
 
 def cmd_decompress(args) -> int:
-    args.dumps_kwargs = {}
     cb = _chunk_bytes(args.chunk_mb)
     return _run(args, lambda src, out: _batch.plan_decompress(src, out, cb), "decompress")
 
@@ -167,22 +195,56 @@ def _chunk_bytes(mb: float) -> int:
     return max(1, int(mb * 2**20))
 
 
+def _header_labels(h) -> tuple[str, str]:
+    """(bits, other options) of a TQ01 header, compactly: ("4/3", "raw 2+2, hadamard, f32 norms")."""
+    kv = getattr(h, "kv_layout", False)
+    vb = getattr(h, "value_bits", h.bits)
+    bits = f"{h.bits}/{vb}" if kv and vb != h.bits else str(h.bits)
+    return bits, _options_label(
+        skip_first_layers=getattr(h, "skip_first", 0) if kv else 0,
+        skip_last_layers=getattr(h, "skip_last", 0) if kv else 0,
+        rotation=getattr(h, "rotation", "haar"), norm_dtype=getattr(h, "norm_dtype", "float16"),
+        norm_correction=getattr(h, "norm_correction", False), checksum=getattr(h, "checksum", False),
+        qjl=h.use_qjl,
+    )
+
+
+def _options_label(**o) -> str:
+    out = []
+    if o.get("skip_first_layers") or o.get("skip_last_layers"):
+        out.append(f"raw {o.get('skip_first_layers', 0)}+{o.get('skip_last_layers', 0)}")
+    if o.get("rotation", "haar") != "haar":
+        out.append(o["rotation"])
+    if o.get("norm_dtype") == "float32":
+        out.append("f32 norms")
+    if o.get("norm_correction"):
+        out.append("norm corr")
+    if o.get("checksum"):
+        out.append("crc32")
+    if o.get("qjl"):
+        out.append("qjl")
+    return ", ".join(out) or "-"
+
+
 def _inspect_doc(path: str) -> dict:
+    import numpy as np
+
     import tq_jax
 
     path = _batch.check_input(path)
     with open(path, "rb") as f:
-        head = f.read(512)
+        magic = f.read(4)
         size = os.fstat(f.fileno()).st_size
-    if head[:4] == b"TQ01":  # a bare blob
+    if magic == b"TQ01":  # a bare blob (memory-mapped: a v2 checksum covers all of it)
         try:
-            h = tq_jax.peek_header(head)
+            h = tq_jax.peek_header(np.memmap(path, np.uint8, mode="r"))
         except tq_jax.WireError as e:
             raise _batch.CliError(f"{path}: corrupt TQ01 blob: {e}") from None
-        orig = math.prod(h.shape) * _st.DTYPES[{"bfloat16": "BF16", "float16": "F16", "float32": "F32"}[h.dtype]].itemsize
+        orig = math.prod(h.shape) * _st.DTYPES[_batch.TQ_DTYPES[("bfloat16", "float16", "float32").index(h.dtype)]].itemsize
+        bits, opts = _header_labels(h)
         return {"file": path, "kind": "TQ01 blob", "bytes": size, "tensors": [{
             "name": os.path.basename(path), "kind": "TQ01", "dtype": h.dtype, "shape": list(h.shape),
-            "bits": h.bits, "seed": h.seed, "version": h.version, "qjl": h.use_qjl, "blobs": 1,
+            "bits": bits, "seed": h.seed, "version": h.version, "options": opts, "blobs": 1,
             "stored_bytes": size, "original_bytes": orig, "ratio": orig / size if size else None,
             "blob_headers": [h._asdict()],
         }]}
@@ -199,14 +261,20 @@ def _inspect_doc(path: str) -> dict:
             headers = _batch.blob_headers(src, info.name, meta)
             hs = [h for _, _, h in headers]
             orig = math.prod(meta["shape"]) * _st.DTYPES[meta["dtype"]].itemsize
-
-            def one(field, hs=hs):
-                vals = sorted({getattr(h, field) for h in hs})
-                return vals[0] if len(vals) == 1 else vals
-
+            o = meta.get("options") if isinstance(meta.get("options"), dict) else {}
+            if o:  # what the writer asked for (chunks of a KV tensor carry their local share)
+                kb, vb = o.get("key_bits"), o.get("value_bits")
+                bits = str(kb) if kb == vb else f"{kb}/{vb}"
+                opts = _options_label(**o, qjl=any(h.use_qjl for h in hs))
+            else:
+                labels = sorted({_header_labels(h) for h in hs})
+                bits, opts = ",".join(sorted({b for b, _ in labels})), "; ".join(sorted({x for _, x in labels}))
+            seeds = sorted({h.seed for h in hs})
+            versions = sorted({h.version for h in hs})
             rows.append({
                 "name": info.name, "kind": "TQ01", "dtype": meta["dtype"], "shape": meta["shape"],
-                "bits": one("bits"), "seed": one("seed"), "version": one("version"), "qjl": one("use_qjl"),
+                "bits": bits, "seed": seeds[0] if len(seeds) == 1 else seeds,
+                "version": versions[0] if len(versions) == 1 else versions, "options": opts,
                 "blobs": len(hs), "stored_bytes": info.nbytes, "original_bytes": orig,
                 "ratio": orig / info.nbytes if info.nbytes else None,
                 "blob_headers": [dict(h._asdict(), offset=off, nbytes=nb) for off, nb, h in headers],
@@ -216,37 +284,52 @@ def _inspect_doc(path: str) -> dict:
                 "format_version": doc["version"] if doc else None, "metadata": user_meta, "tensors": rows}
 
 
+def _cell(v) -> str:
+    return ",".join(map(str, v)) if isinstance(v, list) else str(v)
+
+
 def cmd_inspect(args) -> int:
     doc = _inspect_doc(args.file)
     if args.json:
         print(json.dumps(doc, indent=2, default=list))
         return 0
-    rows = [["name", "kind", "dtype", "shape", "bits", "seed", "ver", "blobs", "stored", "original", "ratio"]]
+    rows = [["name", "kind", "dtype", "shape", "bits", "seed", "ver", "blobs", "stored", "original", "ratio",
+             "options"]]
     for t in doc["tensors"]:
         tq = t["kind"] == "TQ01"
         rows.append([
             t["name"], t["kind"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar",
-            str(t["bits"]) if tq else "-", str(t["seed"]) if tq else "-", str(t["version"]) if tq else "-",
+            _cell(t["bits"]) if tq else "-", _cell(t["seed"]) if tq else "-", _cell(t["version"]) if tq else "-",
             str(t["blobs"]) if tq else "-", f"{t['stored_bytes']:,}", f"{t['original_bytes']:,}",
-            f"{t['ratio']:.2f}x" if t["ratio"] else "-",
+            f"{t['ratio']:.2f}x" if t["ratio"] else "-", t["options"] if tq else "",
         ])
         if args.verbose and tq:
             for i, h in enumerate(t["blob_headers"]):
-                rows.append([f"  blob {i}", "", h["dtype"], "x".join(map(str, h["shape"])), str(h["bits"]),
-                             str(h["seed"]), str(h["version"]), "qjl" if h["use_qjl"] else "",
-                             f"{h.get('nbytes', doc['bytes']):,}", "", ""])
+                hh = tq_header(h)
+                bits, opts = _header_labels(hh)
+                rows.append([f"  blob {i}", "", h["dtype"], "x".join(map(str, h["shape"])), bits,
+                             str(h["seed"]), str(h["version"]), "", f"{h.get('nbytes', doc['bytes']):,}", "", "",
+                             opts])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     print(f"{doc['file']}: {doc['kind']}, {doc['bytes']:,} bytes, {len(doc['tensors'])} tensor(s)")
     for k, v in (doc.get("metadata") or {}).items():
         print(f"  metadata {k} = {v if len(v) <= 80 else v[:77] + '...'}")
     for r in rows:
-        print("  " + "  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+        cells = [c.ljust(w) if i < 4 or i == 11 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))]
+        print("  " + "  ".join(cells).rstrip())
     stored = sum(t["stored_bytes"] for t in doc["tensors"])
     orig = sum(t["original_bytes"] for t in doc["tensors"])
     n_tq = sum(t["kind"] == "TQ01" for t in doc["tensors"])
     print(f"total: {n_tq} TQ01 tensor(s), {len(doc['tensors']) - n_tq} raw; {stored:,} bytes stored, "
           f"{orig:,} original" + (f" ({orig / stored:.2f}x)" if stored else ""))
     return 0
+
+
+def tq_header(d: dict):
+    """A header-like object from a header's ``_asdict()`` (for labels)."""
+    import types
+
+    return types.SimpleNamespace(**d)
 
 
 def cmd_bench(args) -> int:
@@ -291,6 +374,12 @@ def _add_run_options(p):
                    help="how long a process waits for the others at each step (default: 6 h)")
 
 
+def _presets() -> dict:
+    import tq_jax
+
+    return getattr(tq_jax, "PRESETS", {})
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
@@ -303,8 +392,25 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Every floating tensor whose last axis is --head-dim becomes TQ01 blob(s) "
                                    "stored as a U8 tensor under the same name; other tensors pass through.")
     _add_run_options(p)
-    p.add_argument("--bits", type=int, choices=BITS, default=4, help="bits per coordinate (default: 4)")
+    p.add_argument("--bits", type=int, choices=range(1, 9), metavar="{1..8}",
+                   help="bits per coordinate (default: 4); 2, 3, 4, 6 and 8 keep TQ01 version 1, "
+                        "the reference's format, unless another option needs version 2")
     p.add_argument("--seed", type=int, default=42, help="rotation seed (default: 42)")
+    g = p.add_argument_group("TQ01 version 2 options (blobs the reference cannot read)")
+    g.add_argument("--preset", choices=sorted(_presets()), help="a named set of options (later flags override)")
+    g.add_argument("--key-bits", type=int, choices=range(1, 9), metavar="{1..8}",
+                   help="bits of group 0 (keys) of KV tensors [2, layers, ..., head_dim]")
+    g.add_argument("--value-bits", type=int, choices=range(1, 9), metavar="{1..8}",
+                   help="bits of group 1 (values)")
+    g.add_argument("--skip-first-layers", type=int, metavar="N", help="store the first N layers (axis 1) raw")
+    g.add_argument("--skip-last-layers", type=int, metavar="N", help="store the last N layers raw")
+    g.add_argument("--rotation", choices=("haar", "hadamard"), help="haar (default, the reference's) or "
+                                                                     "hadamard (fast, structured)")
+    g.add_argument("--norm-dtype", choices=("auto", "float16", "float32"),
+                   help="auto (default): float16 unless a norm overflows it, then float32")
+    g.add_argument("--norm-correction", action="store_true", default=None,
+                   help="decoders rescale centroid vectors to unit length")
+    g.add_argument("--checksum", action="store_true", default=None, help="append a CRC32 to every blob")
     p.add_argument("--head-dim", type=int, default=128, help="vector length (default: 128)")
     p.add_argument("--all", action="store_true",
                    help="compress every floating tensor, splitting a last axis of n*head_dim into (n, head_dim)")

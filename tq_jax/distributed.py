@@ -108,7 +108,7 @@ def _part_path(parts_dir: str, fi: int, ei: int, ui: int) -> str:
     return os.path.join(parts_dir, f"{fi:05d}.{ei:06d}.{ui:06d}.part")
 
 
-def run_distributed(cluster: Cluster, open_plans: Callable[[], tuple], dumps_kwargs: dict, devices,
+def run_distributed(cluster: Cluster, open_plans: Callable[[], tuple], devices,
                     parts_dir: str, make_progress: Callable[[int], object] | None = None) -> tuple:
     """Write every plan's OUT, sharing the codec units among the processes.
 
@@ -117,7 +117,6 @@ def run_distributed(cluster: Cluster, open_plans: Callable[[], tuple], dumps_kwa
         open_plans: called once in every process; returns ``(plans, sources)``, one
             :class:`~tq_jax.batch.FilePlan` and its open source per file. A failure here
             (a missing input, say) is reported to every process.
-        dumps_kwargs: keyword arguments for :func:`tq_jax.dumps` (compress).
         devices: this process's local devices.
         parts_dir: a directory on a filesystem every process can read and write.
         make_progress: ``total_bytes -> object with update(n) and close()``.
@@ -158,7 +157,7 @@ def run_distributed(cluster: Cluster, open_plans: Callable[[], tuple], dumps_kwa
     def encode():
         os.makedirs(parts_dir, exist_ok=True)
         for fi, ei, ui, u in mine:
-            data = _batch.produce(sources[fi], u, dumps_kwargs, devices)
+            data = _batch.produce(sources[fi], u, devices)
             path = _part_path(parts_dir, fi, ei, ui)
             tmp = f"{path}.{cluster.index}.tmp"
             with open(tmp, "wb") as f:
@@ -181,7 +180,7 @@ def run_distributed(cluster: Cluster, open_plans: Callable[[], tuple], dumps_kwa
                 for ei, e in enumerate(plan.entries):
                     for ui, u in enumerate(e.units):
                         if u.kind == "raw":
-                            w.write(_batch.produce(sources[fi], u, dumps_kwargs, devices))
+                            w.write(_batch.produce(sources[fi], u, devices))
                             progress(u.in_nbytes)
                             continue
                         path = _part_path(parts_dir, fi, ei, ui)
