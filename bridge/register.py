@@ -7,9 +7,10 @@ After :func:`register`, an L2 adapter config can say::
 
 The factory LMCache calls with the ``serde`` dict (minus ``"type"``) validates every
 key against :data:`OPTIONS`, a table: an unknown key is an error that lists the valid
-ones, a value of the wrong type or range is an error that says what is allowed, and the
-options reserved for TQ01 version 2 are refused with "needs TQ01 version 2". Adding a
-v2 option later means giving its row a checker and raising :data:`WIRE_VERSION`.
+ones, and a value of the wrong type or range is an error that says what is allowed.
+The defaults write TQ01 version 1 (the reference plugin reads it); the rows marked
+version 2 (per-K/V bits, raw edge layers, rotation, norm dtype, norm correction,
+checksum, and ``preset``, a named bundle of them) write version 2.
 
 LMCache 0.5.6 has no serde discovery: the type must be registered in the process that
 builds the ``StorageManager``, before it is built. See :mod:`tq_jax.bridge.launch` (a
@@ -31,8 +32,10 @@ from typing import Any, NamedTuple
 from lmcache.v1.distributed.serde import factory as _lmc_factory
 from lmcache.v1.distributed.serde.async_processor import AsyncSerdeProcessor
 
+import tq_jax
 from tq_jax import wire as _wire
 from tq_jax.bridge import serde as _serde
+from tq_jax.options import PRESETS
 
 __all__ = [
     "ALIASES",
@@ -51,7 +54,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_NAME = "tq_jax"
 ALIASES = ("tqai",)  # the reference plugin's type name: its configs work unchanged
-WIRE_VERSION = 1  # the TQ01 version this bridge writes; options above it are refused
+WIRE_VERSION = 2  # the newest TQ01 version this bridge writes
 MAX_WORKERS = 256
 
 
@@ -72,13 +75,46 @@ def _int_in(lo: int, hi: int) -> Callable[[str, object], int]:
 def _bits(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"serde option `{name}` must be an int, got {type(value).__name__} {value!r}.")
-    if value not in _wire.READ_BITS_V1:
+    if not 1 <= value <= 8:
         raise ValueError(
-            f"serde option `{name}` must be one of {_wire.READ_BITS_V1} (the widths TQ01 version 1 "
-            f"can record), got {value}: bits sets the codebook size 2**bits; 4 keeps ~0.995 cosine "
-            f"at ~26 % of bf16."
+            f"serde option `{name}` must be in 1..8, got {value}: bits sets the codebook size "
+            f"2**bits; 4 keeps ~0.995 cosine at ~26 % of bf16 ({_wire.READ_BITS_V1} stay TQ01 "
+            f"version 1, which the reference plugin reads)."
         )
     return value
+
+
+def _opt_bits(name: str, value: object):
+    return None if value is None else _bits(name, value)
+
+
+def _choice(*choices: str, why: str = "") -> Callable[[str, object], str]:
+    def check(name: str, value: object) -> str:
+        if not isinstance(value, str):
+            raise TypeError(f"serde option `{name}` must be a string, got {type(value).__name__} {value!r}.")
+        if value not in choices:
+            raise ValueError(f"serde option `{name}` must be one of {choices}, got {value!r}.{why}")
+        return value
+
+    return check
+
+
+def _flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"serde option `{name}` must be a bool, got {type(value).__name__} {value!r}.")
+    return value
+
+
+def _norm_dtype(name: str, value: object) -> str:
+    if value == "auto":
+        raise ValueError(_serde.AUTO_NORMS)
+    return _choice(*_serde.NORM_DTYPES)(name, value)
+
+
+def _preset(name: str, value: object):
+    if value is None:
+        return None
+    return _choice(*sorted(PRESETS), why=" Presets are documented in docs/quality.md.")(name, value)
 
 
 def _device(name: str, value: object) -> str:
@@ -100,14 +136,6 @@ def _use_qjl(name: str, value: object) -> bool:
     return value
 
 
-def _v2_only(name: str, value: object) -> object:
-    raise ValueError(
-        f"serde option `{name}` needs TQ01 version 2, not implemented yet: version 1 can only "
-        f"record one bit width, a dense Haar rotation and float16 norms for the whole blob. "
-        f"Remove `{name}` from the serde config for now."
-    )
-
-
 class Option(NamedTuple):
     """One row of the serde option table."""
 
@@ -120,29 +148,30 @@ class Option(NamedTuple):
 
 OPTIONS: tuple[Option, ...] = (
     Option("head_dim", 128, _int_in(2, _wire.MAX_DIM), "vector length; the KV hidden axis is split into heads of this size (MLA: the latent width, e.g. 576)"),
-    Option("bits", 4, _bits, "bits per coordinate: 2, 3, 4, 6 or 8"),
+    Option("bits", 4, _bits, "bits per coordinate, 1..8 (2, 3, 4, 6, 8 stay TQ01 v1)"),
     Option("seed", 42, _int_in(-(2**31), 2**31 - 1), "rotation seed (int32), recorded in every blob"),
     Option("max_workers", 1, _int_in(1, MAX_WORKERS), "AsyncSerdeProcessor thread-pool size"),
     Option("device", "cpu", _device, "where the codec runs: cpu, gpu, tpu or auto, optionally :index"),
     # Accepted so that configs written for the reference plugin work unchanged.
     Option("use_qjl", False, _use_qjl, "reference-plugin option; only false is supported"),
     Option("qjl_sketch_size", 64, _int_in(1, _wire.MAX_QJL_SKETCH), "reference-plugin option; ignored while use_qjl is false"),
-    # Reserved for TQ01 version 2 (refused until it lands).
-    Option("key_bits", None, _v2_only, "bits for keys (slot 0)", version=2),
-    Option("value_bits", None, _v2_only, "bits for values (slot 1)", version=2),
-    Option("skip_first_layers", None, _v2_only, "leading layers stored raw", version=2),
-    Option("skip_last_layers", None, _v2_only, "trailing layers stored raw", version=2),
-    Option("rotation", None, _v2_only, "rotation kind", version=2),
-    Option("norm_dtype", None, _v2_only, "dtype of stored norms", version=2),
-    Option("norm_correction", None, _v2_only, "norm correction on decode", version=2),
-    Option("checksum", None, _v2_only, "blob checksum", version=2),
+    # TQ01 version 2 (any non-default value writes version 2).
+    Option("key_bits", None, _opt_bits, "bits for keys (slot 0 of [2, L, T, ...]); default: bits", version=2),
+    Option("value_bits", None, _opt_bits, "bits for values (slot 1); default: bits", version=2),
+    Option("skip_first_layers", 0, _int_in(0, _wire.MAX_SKIP_LAYERS), "leading layers stored as exact bytes", version=2),
+    Option("skip_last_layers", 0, _int_in(0, _wire.MAX_SKIP_LAYERS), "trailing layers stored as exact bytes", version=2),
+    Option("rotation", "haar", _choice("haar", "hadamard"), "haar (the reference's) or hadamard (fast, structured)", version=2),
+    Option("norm_dtype", "float16", _norm_dtype, "float16 (v1) or float32 (never overflows)", version=2),
+    Option("norm_correction", False, _flag, "rescale centroid vectors to unit length on decode", version=2),
+    Option("checksum", False, _flag, "CRC32 over each blob, verified on load (a corrupt blob is a miss)", version=2),
+    Option("preset", None, _preset, f"a named bundle of the v2 options: {', '.join(sorted(PRESETS))}; explicit keys override it", version=2),
 )
 _BY_NAME = {o.name: o for o in OPTIONS}
 
 
 @dataclasses.dataclass(frozen=True)
 class SerdeOptions:
-    """Validated serde options (the v1 subset of :data:`OPTIONS`)."""
+    """Validated serde options (every row of :data:`OPTIONS`)."""
 
     head_dim: int = 128
     bits: int = 4
@@ -151,6 +180,21 @@ class SerdeOptions:
     device: str = "cpu"
     use_qjl: bool = False
     qjl_sketch_size: int = 64
+    key_bits: int | None = None
+    value_bits: int | None = None
+    skip_first_layers: int = 0
+    skip_last_layers: int = 0
+    rotation: str = "haar"
+    norm_dtype: str = "float16"
+    norm_correction: bool = False
+    checksum: bool = False
+    preset: str | None = None
+
+    def codec_options(self) -> dict:
+        """The :class:`tq_jax.Options` fields beyond ``bits`` and ``seed``."""
+        names = ("key_bits", "value_bits", "skip_first_layers", "skip_last_layers", "rotation",
+                 "norm_dtype", "norm_correction", "checksum")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
 
 def parse_options(kwargs: Mapping[str, object]) -> SerdeOptions:
@@ -169,20 +213,22 @@ def parse_options(kwargs: Mapping[str, object]) -> SerdeOptions:
         raise TypeError(f"serde options must be a dict, got {type(kwargs).__name__}.")
     unknown = sorted(k for k in kwargs if k not in _BY_NAME)
     if unknown:
-        valid = ", ".join(o.name for o in OPTIONS if o.version <= WIRE_VERSION)
-        reserved = ", ".join(o.name for o in OPTIONS if o.version > WIRE_VERSION)
+        valid = ", ".join(o.name for o in OPTIONS if o.version == 1)
+        v2 = ", ".join(o.name for o in OPTIONS if o.version == 2)
         raise ValueError(
             f"unknown tq_jax serde option(s) {', '.join(map(repr, unknown))}. Valid options: "
-            f"{valid} (reserved for TQ01 version 2: {reserved}). Check the spelling in the "
-            f"L2 adapter's \"serde\" dict."
+            f"{valid}; TQ01 version 2 options: {v2}. Check the spelling in the L2 adapter's "
+            f"\"serde\" dict."
         )
     values = {}
     for key, value in kwargs.items():
-        opt = _BY_NAME[key]
-        checked = opt.check(key, value)  # v2 rows raise here
-        if opt.version <= WIRE_VERSION:
-            values[key] = checked
-    return SerdeOptions(**values)
+        values[key] = _BY_NAME[key].check(key, value)
+    if values.get("preset"):  # a preset fills what the config does not say explicitly
+        for key, value in PRESETS[values["preset"]].items():
+            values.setdefault(key, value)
+    o = SerdeOptions(**values)
+    tq_jax.Options.make(o.bits, seed=o.seed, **o.codec_options())  # the combination is valid
+    return o
 
 
 def make_serde_processor(kwargs: Mapping[str, object]) -> AsyncSerdeProcessor:
@@ -194,7 +240,7 @@ def make_serde_processor(kwargs: Mapping[str, object]) -> AsyncSerdeProcessor:
     o = parse_options(kwargs)
     device = _serde.resolve_device(o.device)
     return AsyncSerdeProcessor(
-        _serde.TQJaxSerializer(head_dim=o.head_dim, bits=o.bits, seed=o.seed, device=device),
+        _serde.TQJaxSerializer(head_dim=o.head_dim, bits=o.bits, seed=o.seed, device=device, **o.codec_options()),
         _serde.TQJaxDeserializer(device=device),
         max_workers=o.max_workers,
     )

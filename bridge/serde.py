@@ -83,10 +83,17 @@ __all__ = [
 DEVICE_CHOICES = ("cpu", "gpu", "tpu", "auto")
 """Values of the ``device`` option; all but ``auto`` may carry an index (``gpu:1``)."""
 
-# Pinned so that every blob is TQ01 version 1 (the reference reads it) and its size is known
-# from the layout alone: with the core's default norm_dtype="auto", a norm above float16's
-# range would silently switch the blob to version 2 and 2 bytes per vector longer.
-V1_OPTIONS = {"norm_dtype": "float16"}
+# The bridge pins the norm dtype (default float16: TQ01 version 1, which the reference
+# reads) so that every blob's size is known from the layout alone: the core's
+# norm_dtype="auto" would switch a blob with a norm above float16's range to float32 norms,
+# 2 bytes per vector longer than the estimate LMCache allocated.
+NORM_DTYPES = ("float16", "float32")
+AUTO_NORMS = (
+    "norm_dtype='auto' is not available in the LMCache serde: it lengthens a blob when a norm "
+    "overflows float16, and LMCache needs every blob to be exactly its estimated size. Use "
+    "'float16' (TQ01 v1, the reference reads it; an overflowing norm fails the store, which "
+    "LMCache treats as a miss) or 'float32' (TQ01 v2, never overflows)."
+)
 
 _TORCH_DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.bfloat16: "bfloat16",
@@ -234,8 +241,10 @@ def _dtype_name(dtype: torch.dtype, group: int) -> str:
     return name
 
 
-def plan_layout(layout: MemoryLayoutDesc, head_dim: int, bits: int) -> list[GroupPlan]:
+def plan_layout(layout: MemoryLayoutDesc, head_dim: int, options) -> list[GroupPlan]:
     """The stored shape, dtype and exact blob size of every group of ``layout``.
+
+    ``options`` is a :class:`tq_jax.Options` (or an int: v1 bits).
 
     Raises:
         ValueError: a group's dtype is unsupported, its last axis is not a multiple of
@@ -254,9 +263,15 @@ def plan_layout(layout: MemoryLayoutDesc, head_dim: int, bits: int) -> list[Grou
                 f"KV group {g} has shape {list(shape)}: stored per head it has {len(stored)} "
                 f"axes, more than TQ01's MAX_NDIM={_wire.MAX_NDIM}. Flatten leading axes."
             )
-        nbytes = tq_jax.serialized_size(stored, name, bits, **V1_OPTIONS)
+        nbytes = _options_of(options).serialized_size(stored, name)
         plans.append(GroupPlan(tuple(int(s) for s in shape), stored, name, nbytes))
     return plans
+
+
+def _options_of(options) -> tq_jax.Options:
+    if isinstance(options, tq_jax.Options):
+        return options
+    return tq_jax.Options.make(options, norm_dtype="float16")
 
 
 def _group_tensors(obj: MemoryObj) -> list[torch.Tensor]:
@@ -283,27 +298,37 @@ def _host_bytes(t: torch.Tensor) -> np.ndarray:
 
 
 class TQJaxSerializer(Serializer):
-    """Encodes KV ``MemoryObj``s into TQ01 v1 blobs (see the module docstring).
+    """Encodes KV ``MemoryObj``s into TQ01 blobs (see the module docstring).
+
+    With the defaults every blob is TQ01 version 1, which the reference plugin reads;
+    any TQ01 v2 option (per-K/V bits, raw edge layers, the fast rotation, float32
+    norms, norm correction, checksum) writes version 2.
 
     Args:
         head_dim: vector length; the last axis of every group is split into
             ``(X // head_dim, head_dim)``.
-        bits: 2, 3, 4, 6 or 8 bits per coordinate.
+        bits: bits per coordinate, 1..8 (2, 3, 4, 6, 8 stay version 1).
         seed: rotation seed (int32 range); readers take it from the blob.
         device: ``"cpu"`` (default), ``"gpu"``, ``"tpu"``, ``"auto"``, optionally
             ``":index"``, or a ``jax.Device``.
+        **v2: :class:`tq_jax.Options` fields: ``key_bits``, ``value_bits`` (slot 0 / 1
+            of ``[2, L, T, ...]``; default ``bits``), ``skip_first_layers``,
+            ``skip_last_layers``, ``rotation``, ``norm_dtype`` ("float16" or
+            "float32"; not "auto"), ``norm_correction``, ``checksum``.
 
     Raises:
-        ValueError: bad ``bits``/``head_dim``, or a device that does not exist.
+        ValueError: bad options, or a device that does not exist.
     """
 
-    def __init__(self, head_dim: int = 128, bits: int = 4, seed: int = 42, device="cpu") -> None:
-        if bits not in _wire.READ_BITS_V1 or isinstance(bits, bool):
-            raise ValueError(f"`bits` must be one of {_wire.READ_BITS_V1} for TQ01 v1, got {bits!r}.")
+    def __init__(self, head_dim: int = 128, bits: int = 4, seed: int = 42, device="cpu", **v2) -> None:
         if isinstance(head_dim, bool) or not isinstance(head_dim, int) or not 2 <= head_dim <= _wire.MAX_DIM:
             raise ValueError(f"`head_dim` must be an int in 2..{_wire.MAX_DIM}, got {head_dim!r}.")
         if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**31) <= seed < 2**31:
             raise ValueError(f"`seed` must be an int in the int32 range (TQ01 stores it as int32), got {seed!r}.")
+        v2.setdefault("norm_dtype", "float16")
+        if v2["norm_dtype"] not in NORM_DTYPES:
+            raise ValueError(AUTO_NORMS if v2["norm_dtype"] == "auto" else f"`norm_dtype` must be one of {NORM_DTYPES}, got {v2['norm_dtype']!r}.")
+        self.options = tq_jax.Options.make(bits, seed=seed, **v2)
         self.head_dim = head_dim
         self.bits = bits
         self.seed = seed
@@ -315,7 +340,7 @@ class TQJaxSerializer(Serializer):
         Raises:
             ValueError: the layout cannot be stored (see :func:`plan_layout`).
         """
-        return sum(p.nbytes for p in plan_layout(layout_desc, self.head_dim, self.bits))
+        return sum(p.nbytes for p in plan_layout(layout_desc, self.head_dim, self.options))
 
     def serialize(self, src: MemoryObj, dst: MemoryObj, key: ObjectKey) -> int:
         """Writes the TQ01 blob(s) of ``src`` into ``dst.tensor``; returns their length.
@@ -333,7 +358,7 @@ class TQJaxSerializer(Serializer):
                 norm beyond float16's range (``tq_jax.NormOverflowError``).
         """
         del key
-        plans = plan_layout(_layout_of(src), self.head_dim, self.bits)
+        plans = plan_layout(_layout_of(src), self.head_dim, self.options)
         need = sum(p.nbytes for p in plans)
         out_t = dst.tensor
         if out_t.dtype != torch.uint8:
@@ -352,9 +377,7 @@ class TQJaxSerializer(Serializer):
                 x = dlpack.numpy_view(t.contiguous()).reshape(p.stored)  # a view of L1 memory
             else:
                 x = dlpack.to_jax(t).reshape(p.stored)  # stays on its accelerator
-            n = tq_jax.dump_into(
-                x, out[off : off + p.nbytes], bits=self.bits, seed=self.seed, device=self.device, **V1_OPTIONS
-            )
+            n = tq_jax.dump_into(x, out[off : off + p.nbytes], self.options, device=self.device)
             if n != p.nbytes:  # the core promises serialized_size; keep LMCache's fs contract safe
                 raise RuntimeError(f"tq_jax.dump_into wrote {n} bytes for group {g}, expected {p.nbytes}")
             off += n

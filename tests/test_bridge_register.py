@@ -142,7 +142,7 @@ def test_unknown_key_lists_valid_ones():
     assert "'bitz', 'head_dims'" in msg
     for name in ("head_dim", "bits", "seed", "max_workers", "device"):
         assert name in msg
-    assert "reserved for TQ01 version 2: key_bits" in msg
+    assert "TQ01 version 2 options: key_bits" in msg
 
 
 @pytest.mark.parametrize(
@@ -150,7 +150,13 @@ def test_unknown_key_lists_valid_ones():
     [
         ({"bits": "4"}, TypeError, r"`bits` must be an int, got str"),
         ({"bits": True}, TypeError, r"`bits` must be an int, got bool"),
-        ({"bits": 5}, ValueError, r"one of \(2, 3, 4, 6, 8\)"),
+        ({"bits": 9}, ValueError, r"must be in 1\.\.8"),
+        ({"key_bits": 0}, ValueError, r"must be in 1\.\.8"),
+        ({"rotation": "dct"}, ValueError, r"one of \('haar', 'hadamard'\)"),
+        ({"norm_dtype": "auto"}, ValueError, r"exactly its estimated size"),
+        ({"checksum": 1}, TypeError, r"must be a bool"),
+        ({"skip_first_layers": -1}, ValueError, r"must be in 0\.\."),
+        ({"preset": "fast"}, ValueError, r"must be one of"),
         ({"head_dim": 128.0}, TypeError, r"`head_dim` must be an int, got float"),
         ({"head_dim": 1}, ValueError, r"`head_dim` must be in 2\.\."),
         ({"seed": 2**31}, ValueError, r"`seed` must be in"),
@@ -169,21 +175,18 @@ def test_bad_values(kwargs, exc, match):
         reg_mod.make_serde_processor(kwargs)
 
 
-@pytest.mark.parametrize(
-    "name",
-    ["key_bits", "value_bits", "skip_first_layers", "skip_last_layers", "rotation", "norm_dtype", "norm_correction", "checksum"],
-)
-def test_v2_options_are_reserved(name):
-    with pytest.raises(ValueError, match=rf"`{name}` needs TQ01 version 2, not implemented yet"):
-        reg_mod.parse_options({name: 4})
+def test_v2_options_and_presets():
+    o = reg_mod.parse_options({"preset": "k4v3-edges", "value_bits": 2, "checksum": False})
+    assert (o.key_bits, o.value_bits, o.skip_first_layers, o.rotation, o.checksum) == (4, 2, 2, "hadamard", False)
+    opts = tq_jax.Options.make(o.bits, seed=o.seed, **o.codec_options())
+    assert not opts.v1_expressible and opts.value_bits == 2
+    assert tq_jax.Options.make(4, **reg_mod.parse_options({}).codec_options()).v1_expressible
 
 
 def test_option_table_shape():
     names = [o.name for o in reg_mod.OPTIONS]
     assert len(names) == len(set(names))
-    assert {f.name for f in reg_mod.dataclasses.fields(reg_mod.SerdeOptions)} == {
-        o.name for o in reg_mod.OPTIONS if o.version <= reg_mod.WIRE_VERSION
-    }
+    assert {f.name for f in reg_mod.dataclasses.fields(reg_mod.SerdeOptions)} == {o.name for o in reg_mod.OPTIONS}
     for o in reg_mod.OPTIONS:
         if o.version <= reg_mod.WIRE_VERSION:
             assert o.check(o.name, o.default) == o.default  # defaults pass their own check

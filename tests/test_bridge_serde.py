@@ -328,7 +328,10 @@ def test_failures_surface_as_false_through_the_processor():
 
 def test_serializer_argument_errors():
     with pytest.raises(ValueError, match="bits"):
-        S.TQJaxSerializer(bits=5)
+        S.TQJaxSerializer(bits=9)
+    with pytest.raises(ValueError, match="exactly its estimated size"):
+        S.TQJaxSerializer(norm_dtype="auto")
+    assert not S.TQJaxSerializer(bits=5).options.v1_expressible  # 5 bits: version 2
     with pytest.raises(ValueError, match="head_dim"):
         S.TQJaxSerializer(head_dim=1)
     with pytest.raises(ValueError, match="int32"):

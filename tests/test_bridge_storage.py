@@ -76,3 +76,32 @@ def test_fs_round_trip_w1(tmp_path, chunks, bits):
         assert y.shape == W1 and y.dtype == torch.bfloat16
         assert not (y == -7).all()
         assert mean_cosine(x, y, 128) >= COSINE_FLOOR[bits]
+
+
+def test_fs_round_trip_w1_v2_options(tmp_path, chunks):
+    """TQ01 v2 through the real StorageManager: K 4 / V 3 bits, 2 + 2 raw layers, fast
+    rotation, float32 norms, norm correction and a checksum; sizes stay exact."""
+    register()
+    events = Events()
+    serde = {"type": "tq_jax", "head_dim": 128, "preset": "k4v3-edges"}
+    sm = build_manager({"type": "fs", "base_path": str(tmp_path), "serde": serde}, l1_gb=0.6)
+    keys = [key(i, "w1-v2") for i in range(N_CHUNKS)]
+    try:
+        ok, failed, hits, l2_hits, got = store_evict_prefetch(sm, events, keys, chunks, W1)
+    finally:
+        sm.close()
+        events.stop()
+    assert (ok, failed) == (N_CHUNKS, 0)
+    assert (hits, l2_hits) == (N_CHUNKS, N_CHUNKS), f"prefetch: {events.prefetch_failed}"
+    opts = tq_jax.Options(key_bits=4, value_bits=3, skip_first_layers=2, skip_last_layers=2,
+                          rotation="hadamard", norm_dtype="float32", norm_correction=True, checksum=True)
+    size = opts.serialized_size(STORED, "bfloat16")
+    files = sorted(pathlib.Path(tmp_path).rglob("*.data"))
+    assert {f.stat().st_size for f in files} == {size}
+    assert all(tq_jax.peek_header(f.read_bytes()).version == 2 for f in files)
+    for x, y in zip(chunks, got):
+        # Raw edge layers come back bit-exact; the rest at K 4 / V 3 bits quality.
+        for layer in (0, 1, 30, 31):
+            assert torch.equal(x[:, layer], y[:, layer])
+        assert mean_cosine(x[0], y[0], 128) >= 0.995
+        assert mean_cosine(x[1], y[1], 128) >= 0.983
