@@ -8,7 +8,7 @@ the file size, then deletes everything.
 
 Usage::
 
-    python benchmarks/bench_cli_memory.py [--gib 1.0] [--chunk-mb 256] [--dir /tmp]
+    python benchmarks/bench_cli_memory.py [--gib 1.0] [--chunk-mb 64] [--dir /tmp]
 
 Not part of the test suite (it writes ~1.3 GB and takes a minute or so).
 """
@@ -25,6 +25,8 @@ import tempfile
 import time
 
 import numpy as np
+
+from tq_jax.batch import DEFAULT_CHUNK_BYTES
 
 
 def make_file(path: str, gib: float, seed: int = 0) -> int:
@@ -59,7 +61,8 @@ def run(cmd: list[str]) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=1.0, help="size of the KV tensor in GiB (default 1)")
-    ap.add_argument("--chunk-mb", type=float, default=256)
+    ap.add_argument("--chunk-mb", type=float, default=DEFAULT_CHUNK_BYTES / 2**20,
+                    help="the command's --chunk-mb (default: the command's default)")
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--dir", default=tempfile.gettempdir())
     args = ap.parse_args()
