@@ -255,15 +255,22 @@ def _encode(x, options: _options.Options, block_vectors, device):
     return header, pieces
 
 
+def _with_trailer(header, pieces: list) -> list:
+    """``pieces`` plus the CRC32 trailer when the header asks for one."""
+    if not header.checksum:
+        return pieces
+    crc = 0
+    for b in pieces:
+        crc = zlib.crc32(b, crc)
+    return pieces + [_wire._U32.pack(crc)]
+
+
 def _write(header, pieces, out: memoryview) -> int:
     off = 0
-    for b in pieces:
+    for b in _with_trailer(header, pieces):
         n = len(b)
         out[off : off + n] = b
         off += n
-    if header.checksum:
-        out[off : off + 4] = _wire._U32.pack(zlib.crc32(out[:off]))
-        off += 4
     return off
 
 
@@ -317,10 +324,10 @@ def dumps(x, bits=None, *, block_vectors: int | None = None, device=None, **opti
         NormOverflowError: ``norm_dtype="float16"`` and a finite norm exceeds 65504.
     """
     header, pieces = _encode(x, _resolve(bits, options), block_vectors, device)
-    out = bytearray(_wire.blob_nbytes(header))
-    n = _write(header, pieces, memoryview(out))
-    assert n == len(out), (n, len(out))
-    return bytes(out)
+    out = b"".join(_with_trailer(header, pieces))  # one allocation, no extra copy
+    if len(out) != _wire.blob_nbytes(header):
+        raise AssertionError(f"tq_jax wrote {len(out)} bytes, its header implies {_wire.blob_nbytes(header)}")
+    return out
 
 
 def dump_into(x, out, bits=None, *, block_vectors: int | None = None, device=None, **options) -> int:
@@ -365,6 +372,8 @@ def _np_dtype(dtype):
 def _decode_vectors(stream, norms, out_flat, cfg, header, block_vectors, devices, qjl=None):
     """Decode one segment's stream + norms into ``out_flat`` (n, d), block by block."""
     n_vec, dim = out_flat.shape
+    if n_vec == 0:  # nothing to decode: build no rotation (a 50-byte blob may name a huge one)
+        return
     bits = cfg.bits
     tabs = [_codec.device_tables(cfg, d) for d in devices]
     dtype = jnp.dtype(out_flat.dtype)
@@ -411,7 +420,7 @@ def _decode_parsed(p: _wire.Parsed, out: np.ndarray, block_vectors, device) -> N
     devices = _device_list(device)
     out = out.reshape(h.shape)
     qjl = None
-    if h.use_qjl:
+    if h.use_qjl and h.num_vectors:
         try:
             m = _rotation.qjl_matrix(h.dim, h.qjl_sketch_size, h.seed)
         except ValueError as e:
