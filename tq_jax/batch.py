@@ -141,14 +141,6 @@ class Source:
             self._cache = (name, np.ascontiguousarray(arr).reshape(-1))
         return self._cache[1][start:stop]
 
-    def read_bytes(self, name: str, start: int, stop: int) -> bytes:
-        """A few bytes of a tensor's data (for headers)."""
-        if self._reader is not None:
-            return self._reader.read_bytes(name, start, stop)
-        itemsize = self.tensors[name].np_dtype.itemsize
-        arr = self.read(name, start // itemsize, -(-min(stop, self.tensors[name].nbytes) // itemsize))
-        return arr.view(np.uint8).tobytes()[start % itemsize : stop - start + start % itemsize]
-
     def close(self):
         self._cache = None
         if self._reader is not None:
@@ -321,10 +313,6 @@ class FilePlan(NamedTuple):
     @property
     def in_nbytes(self) -> int:
         return sum(u.in_nbytes for e in self.entries for u in e.units)
-
-    @property
-    def out_nbytes(self) -> int:
-        return sum(u.nbytes for e in self.entries for u in e.units)
 
     def fingerprint(self) -> str:
         import hashlib

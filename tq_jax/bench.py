@@ -214,14 +214,17 @@ def _memcpy_method(x):
 
 def _reference_methods(x, bits_list, note: Callable[[str], None]):
     try:
-        import torch
-        from lmcache_turbo_quant_serde._codec import TurboQuantDeserializer, TurboQuantSerializer
+        from lmcache_turbo_quant_serde import _codec as ref
     except Exception as e:  # ImportError, or a broken install
         note(
             f"reference plugin not available ({type(e).__name__}: {e}); install it with "
             f"`pip install lmcache-turbo-quant-serde==0.1.0 tqai==0.6.1` to compare."
         )
         return
+    # The reference works on torch tensors: use the torch it imported itself (tq_jax
+    # never imports torch; this optional comparison runs only when the peer is there).
+    torch = ref.torch
+    TurboQuantSerializer, TurboQuantDeserializer = ref.TurboQuantSerializer, ref.TurboQuantDeserializer
     torch.manual_seed(0)
     xt = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
     for bits in bits_list:

@@ -20,6 +20,7 @@ import math
 import os
 import sys
 import time
+import types
 
 from tq_jax import batch as _batch
 from tq_jax import safetensors_io as _st
@@ -305,8 +306,7 @@ def cmd_inspect(args) -> int:
         ])
         if args.verbose and tq:
             for i, h in enumerate(t["blob_headers"]):
-                hh = tq_header(h)
-                bits, opts = _header_labels(hh)
+                bits, opts = _header_labels(types.SimpleNamespace(**h))
                 rows.append([f"  blob {i}", "", h["dtype"], "x".join(map(str, h["shape"])), bits,
                              str(h["seed"]), str(h["version"]), "", f"{h.get('nbytes', doc['bytes']):,}", "", "",
                              opts])
@@ -323,13 +323,6 @@ def cmd_inspect(args) -> int:
     print(f"total: {n_tq} TQ01 tensor(s), {len(doc['tensors']) - n_tq} raw; {stored:,} bytes stored, "
           f"{orig:,} original" + (f" ({orig / stored:.2f}x)" if stored else ""))
     return 0
-
-
-def tq_header(d: dict):
-    """A header-like object from a header's ``_asdict()`` (for labels)."""
-    import types
-
-    return types.SimpleNamespace(**d)
 
 
 def cmd_bench(args) -> int:
