@@ -15,6 +15,7 @@ without a copy.
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 import zlib
@@ -44,6 +45,9 @@ DEFAULT_BLOCK_COORDS = 1 << 20  # coordinates per block: 4 MiB of float32 interm
 _MIN_BUCKET = 8  # a multiple of 8 vectors keeps every block's bit stream byte-aligned
 _F16_MAX = float(np.finfo(np.float16).max)
 _ALIGN = 64
+# Blocks dispatched ahead per device: enough to overlap host copies with device work,
+# few enough that a large input never has more than a few blocks' worth of copies alive.
+_IN_FLIGHT = 4
 
 NORM_OVERFLOW = (
     "{count} of {total} vectors have an L2 norm that float16 cannot hold (largest: "
@@ -176,20 +180,25 @@ def _encode_vectors(flat: np.ndarray, cfg: _codec.CodecConfig, block_vectors, de
     bits = cfg.bits
     tabs = [_codec.device_tables(cfg, d) for d in devices]
     block = _block_vectors(dim, block_vectors)
-    pending = []
+    norms = np.empty(n_vec, np.float32)
+    chunks = []
+    pending = collections.deque()
+
+    def collect():
+        start, nb, (stream, nrm) = pending.popleft()
+        chunks.append(np.asarray(stream)[: (nb * dim * bits + 7) // 8])
+        norms[start : start + nb] = np.asarray(nrm)[:nb]
+
     for i, start in enumerate(range(0, n_vec, block)):
         nb = min(block, n_vec - start)
         rows = block if nb == block else bucket(nb)
         rot, _, bnd, grid = tabs[i % len(devices)]
         xb = jax.device_put(_pad_rows(flat[start : start + nb], rows), devices[i % len(devices)])
-        pending.append((nb, _encode_block(xb, nb, rot, bnd, grid, bits=bits)))
-    norms = np.empty(n_vec, np.float32)
-    chunks = []
-    start = 0
-    for nb, (stream, nrm) in pending:
-        chunks.append(np.asarray(stream)[: (nb * dim * bits + 7) // 8])
-        norms[start : start + nb] = np.asarray(nrm)[:nb]
-        start += nb
+        pending.append((start, nb, _encode_block(xb, nb, rot, bnd, grid, bits=bits)))
+        if len(pending) > _IN_FLIGHT * len(devices):
+            collect()
+    while pending:
+        collect()
     return chunks, norms
 
 
@@ -379,7 +388,12 @@ def _decode_vectors(stream, norms, out_flat, cfg, header, block_vectors, devices
     dtype = jnp.dtype(out_flat.dtype)
     block = _block_vectors(dim, block_vectors)
     nc = header.norm_correction
-    pending = []
+    pending = collections.deque()
+
+    def collect():
+        start, nb, res = pending.popleft()
+        out_flat[start : start + nb] = np.asarray(res)[:nb]
+
     for i, start in enumerate(range(0, n_vec, block)):
         dev = devices[i % len(devices)]
         rot, cen, _, _ = tabs[i % len(devices)]
@@ -411,8 +425,10 @@ def _decode_vectors(stream, norms, out_flat, cfg, header, block_vectors, devices
         else:
             res = _decode_block(put(piece), nrm, rot, cen, bits=bits, dtype=dtype, norm_correction=nc)
         pending.append((start, nb, res))
-    for start, nb, res in pending:
-        out_flat[start : start + nb] = np.asarray(res)[:nb]
+        if len(pending) > _IN_FLIGHT * len(devices):
+            collect()
+    while pending:
+        collect()
 
 
 def _decode_parsed(p: _wire.Parsed, out: np.ndarray, block_vectors, device) -> None:
