@@ -25,7 +25,7 @@ import runpy
 import sys
 from collections.abc import Sequence
 
-from tq_jax.bridge.register import register
+from tq_jax.bridge.registry import register
 
 __all__ = ["main"]
 

@@ -3,7 +3,7 @@
 :class:`TQJaxSerializer` and :class:`TQJaxDeserializer` implement LMCache 0.5.6's sync
 ``Serializer`` / ``Deserializer`` (``serialize(src, dst, key) -> int``,
 ``deserialize(src, dst, key)``, ``estimate_serialized_size(layout)``). LMCache wraps them
-in an ``AsyncSerdeProcessor``; :mod:`tq_jax.bridge.register` does that wiring.
+in an ``AsyncSerdeProcessor``; :mod:`tq_jax.bridge.registry` does that wiring.
 
 Layout mapping (what is stored for a KV object)
     Each group of the object's ``MemoryLayoutDesc`` is one TQ01 v1 blob whose last axis
@@ -321,8 +321,9 @@ class TQJaxSerializer(Serializer):
     """
 
     def __init__(self, head_dim: int = 128, bits: int = 4, seed: int = 42, device="cpu", **v2) -> None:
-        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or not 2 <= head_dim <= _wire.MAX_DIM:
-            raise ValueError(f"`head_dim` must be an int in 2..{_wire.MAX_DIM}, got {head_dim!r}.")
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or not 2 <= head_dim <= _wire.MAX_DENSE_DIM:
+            # The dense Haar rotation of head_dim: readers refuse more (wire.MAX_DENSE_DIM).
+            raise ValueError(f"`head_dim` must be an int in 2..{_wire.MAX_DENSE_DIM}, got {head_dim!r}.")
         if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**31) <= seed < 2**31:
             raise ValueError(f"`seed` must be an int in the int32 range (TQ01 stores it as int32), got {seed!r}.")
         v2.setdefault("norm_dtype", "float16")

@@ -28,7 +28,7 @@ from tq_jax.bridge import register  # noqa: E402
 
 from bridge_util import Events, build_manager, key, mean_cosine, store_evict_prefetch  # noqa: E402
 
-reg_mod = importlib.import_module("tq_jax.bridge.register")  # the module (the attribute is the function)
+from tq_jax.bridge import registry as reg_mod  # noqa: E402
 pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),  # google-* deps of lmcache
     pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning"),  # opentelemetry

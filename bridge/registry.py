@@ -16,9 +16,7 @@ LMCache 0.5.6 has no serde discovery: the type must be registered in the process
 builds the ``StorageManager``, before it is built. See :mod:`tq_jax.bridge.launch` (a
 launcher for ``lmcache server``) and :mod:`tq_jax.bridge.plugin` (a config-only loader).
 
-Note: ``tq_jax.bridge.register`` is this module's :func:`register` *function* (the
-package re-exports it); reach the module itself with
-``importlib.import_module("tq_jax.bridge.register")``.
+The package re-exports :func:`register` as ``tq_jax.bridge.register``.
 """
 
 from __future__ import annotations
@@ -147,7 +145,7 @@ class Option(NamedTuple):
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("head_dim", 128, _int_in(2, _wire.MAX_DIM), "vector length; the KV hidden axis is split into heads of this size (MLA: the latent width, e.g. 576)"),
+    Option("head_dim", 128, _int_in(2, _wire.MAX_DENSE_DIM), "vector length; the KV hidden axis is split into heads of this size (MLA: the latent width, e.g. 576)"),
     Option("bits", 4, _bits, "bits per coordinate, 1..8 (2, 3, 4, 6, 8 stay TQ01 v1)"),
     Option("seed", 42, _int_in(-(2**31), 2**31 - 1), "rotation seed (int32), recorded in every blob"),
     Option("max_workers", 1, _int_in(1, MAX_WORKERS), "AsyncSerdeProcessor thread-pool size"),
