@@ -122,6 +122,14 @@ class Options:
         shape = tuple(int(s) for s in shape)
         dtype = _wire._dtype_name(dtype)
         nd = norm_dtype or ("float16" if self.norm_dtype == "auto" else self.norm_dtype)
+        dense = _wire.dense_dim(shape[-1], self.rotation) if shape else 0
+        if dense > _wire.MAX_DENSE_DIM:
+            raise ValueError(
+                f"head_dim {shape[-1]} with rotation={self.rotation!r} needs a dense {dense}x{dense} rotation, "
+                f"but TQ01 readers refuse more than MAX_DENSE_DIM={_wire.MAX_DENSE_DIM} (they build it from the "
+                f"header alone). Use rotation='hadamard' (its dense factor is the odd part of head_dim) or "
+                f"split the vectors into heads of at most {_wire.MAX_DENSE_DIM}."
+            )
         if self.kv_layout:
             if len(shape) < 3 or shape[0] not in (1, 2):
                 raise ValueError(

@@ -48,6 +48,7 @@ __all__ = [
     "READ_BITS_V1",
     "MAX_NDIM",
     "MAX_DIM",
+    "MAX_DENSE_DIM",
     "MAX_ELEMENTS",
     "MAX_QJL_SKETCH",
     "Header",
@@ -100,6 +101,12 @@ MAX_NDIM = 16  # KV layouts use 2..6 axes
 MAX_DIM = 1 << 16  # head_dim
 MAX_ELEMENTS = 1 << 40  # total coordinates in one blob (1 TiB of indices at 8 bits)
 MAX_QJL_SKETCH = 1 << 12
+# The decoder builds a dense float32 table from the header alone: the Haar rotation
+# (head_dim² entries; for "hadamard" only its odd factor m²) and the QJL matrix (m·d).
+# Built in float64 with a QR, a rotation costs ~64·d² bytes and O(d³) time, so a
+# 20-byte header naming d = 65536 would ask for ~270 GB. Every such table is held to
+# MAX_DENSE_DIM² entries: 4 MiB cached, ~64 MiB and ~2 s while a Haar one is built.
+MAX_DENSE_DIM = 1 << 10
 
 
 class WireError(ValueError):
@@ -223,6 +230,16 @@ def _seed32(seed: int) -> int:
     """The signed int32 the header stores; torch seeds by the low 32 bits too."""
     s = int(seed) & 0xFFFFFFFF
     return s - (1 << 32) if s >= (1 << 31) else s
+
+
+def dense_dim(dim: int, rotation: str = "haar") -> int:
+    """Side of the dense matrix a rotation of ``dim`` builds: ``dim`` for Haar, the odd
+    part of ``dim`` for the structured Hadamard rotation (checked against MAX_DENSE_DIM)."""
+    if rotation == "haar":
+        return dim
+    while dim and dim % 2 == 0:
+        dim //= 2
+    return dim
 
 
 def header_nbytes(ndim: int, dtype: str, version: int = VERSION_1) -> int:
@@ -438,6 +455,17 @@ def _read_header(r: _Reader) -> Header:
     if dtype not in DTYPES:
         raise BadFieldError(
             f"TQ01 dtype {raw!r} is not one of {DTYPES}: the header is corrupt or from an unsupported writer."
+        )
+    dense = dense_dim(shape[-1], fields.get("rotation", "haar"))
+    if dense > MAX_DENSE_DIM:
+        raise LimitError(
+            f"TQ01 head_dim {shape[-1]} with the {fields.get('rotation', 'haar')} rotation needs a dense "
+            f"{dense}x{dense} rotation, above MAX_DENSE_DIM={MAX_DENSE_DIM}: refusing to build it."
+        )
+    if fields.get("use_qjl") and fields["qjl_sketch_size"] * shape[-1] > MAX_DENSE_DIM**2:
+        raise LimitError(
+            f"TQ01 QJL sketch size {fields['qjl_sketch_size']} x head_dim {shape[-1]} exceeds the "
+            f"MAX_DENSE_DIM**2={MAX_DENSE_DIM**2} entries allowed for a table built from a header."
         )
     if fields.get("kv_layout"):
         if ndim < 3 or shape[0] not in (1, 2):
