@@ -92,3 +92,13 @@ def test_regression_dense_rotation_is_limited():
     assert tq_jax.serialized_size((1, 4096), "float32", 4, rotation="hadamard") > 0
     h = tq_jax.peek_header(tq_jax.dumps(np.ones((1, 4096), np.float32), bits=4, rotation="hadamard"))
     assert h.dim == 4096 and wire.dense_dim(4096, "hadamard") == 1
+
+
+def test_regression_zero_length_axis_beside_a_huge_one_is_a_limit_error():
+    # Found by benchmarks/fuzz_long.py: (0, 2**62, 8) holds no coordinate, passed the
+    # element limit and escaped as numpy's "array is too big" ValueError.
+    for shape in [(0, 1 << 62, 8), (1 << 62, 0, 8), (0, 2**63 - 1, 2**63 - 1, 8)]:
+        with pytest.raises(wire.LimitError, match="MAX_ELEMENTS"):
+            tq_jax.loads(_v1_blob(shape))
+    y = tq_jax.loads(_v1_blob((0, 1 << 20, 8)))  # within the limit: an empty array
+    assert y.shape == (0, 1 << 20, 8)

@@ -437,14 +437,16 @@ def _read_header(r: _Reader) -> Header:
         raise BadFieldError(f"TQ01 shape {shape} has a negative entry: the header is corrupt.")
     if not 2 <= shape[-1] <= MAX_DIM:
         raise LimitError(f"TQ01 head_dim (last shape entry) {shape[-1]} is outside 2..{MAX_DIM} (MAX_DIM).")
-    # Python ints: the product cannot wrap, and it is checked before any use.
+    # Python ints: the product cannot wrap, and it is checked before any use. A
+    # zero-length axis counts as 1, so (0, 2**62, 8) is refused too: it holds no
+    # coordinates, but numpy and XLA cannot even describe such an array.
     n_el = 1
     for s in shape:
-        n_el *= s
+        n_el *= max(s, 1)
         if n_el > MAX_ELEMENTS:
             raise LimitError(
-                f"TQ01 shape {shape} holds more than MAX_ELEMENTS={MAX_ELEMENTS} coordinates: "
-                f"refusing it before allocating anything."
+                f"TQ01 shape {shape} holds more than MAX_ELEMENTS={MAX_ELEMENTS} coordinates (a "
+                f"zero-length axis counted as 1): refusing it before allocating anything."
             )
     (dlen,) = r.unpack(struct.Struct("<B"), "dtype_len")
     raw = bytes(r.take(dlen, "the dtype name"))
