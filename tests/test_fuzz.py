@@ -102,3 +102,53 @@ def test_regression_zero_length_axis_beside_a_huge_one_is_a_limit_error():
             tq_jax.loads(_v1_blob(shape))
     y = tq_jax.loads(_v1_blob((0, 1 << 20, 8)))  # within the limit: an empty array
     assert y.shape == (0, 1 << 20, 8)
+
+
+@pytest.fixture(scope="module")
+def bridge():
+    pytest.importorskip("torch")
+    pytest.importorskip("lmcache")
+    import torch
+
+    from tq_jax.bridge import dlpack, serde
+
+    from bridge_util import byte_obj, make_obj
+
+    return torch, dlpack, serde, byte_obj, make_obj
+
+
+def bridge_decode(bridge, data: bytes, shape, dtype):
+    """Runs TQJaxDeserializer on ``data`` into a fresh KV object of ``shape``/``dtype``."""
+    torch, dlpack, serde, byte_obj, make_obj = bridge
+    src = byte_obj(max(1, len(data)))
+    if data:
+        src.tensor[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dst = make_obj([shape], [dtype])
+    dst.tensor.fill_(-7)
+    serde.TQJaxDeserializer().deserialize(src, dst, None)
+    return dst.tensor
+
+
+def test_regression_checksummed_blob_followed_by_other_bytes():
+    # Found by the fuzzer's bridge check: peek_header verified a v2 CRC32 at the end of
+    # the *buffer*, so a checksummed blob in a longer LMCache buffer (or blobs back to
+    # back) was reported corrupt. The CRC sits at the header-implied end of the blob.
+    x = _x((2, 3, 4, 16))
+    blob = tq_jax.dumps(x, key_bits=4, value_bits=3, checksum=True)
+    for tail in (b"", b"\0", b"junk" * 40, blob):
+        assert wire.peek_header(blob + tail) == wire.parse(blob).header
+    assert wire.peek_header(blob[:60]).shape == x.shape  # a header-only peek of the first bytes
+    bad = bytearray(blob)
+    bad[-10] ^= 1
+    with pytest.raises(wire.ChecksumError):
+        wire.peek_header(bytes(bad) + b"junk")
+    with pytest.raises(wire.ChecksumError):
+        wire.parse(bytes(bad))
+
+
+def test_regression_bridge_reads_checksummed_blob_from_a_longer_buffer(bridge):
+    torch, dlpack = bridge[:2]
+    x = _x((2, 3, 4, 2, 16))
+    blob = tq_jax.dumps(x, bits=4, checksum=True)
+    out = bridge_decode(bridge, blob + b"\xff" * 100, (2, 3, 4, 32), torch.float32)
+    np.testing.assert_array_equal(dlpack.numpy_view(out), np.asarray(tq_jax.loads(blob)).reshape(2, 3, 4, 32))

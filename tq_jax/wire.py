@@ -364,7 +364,7 @@ def _check_bits(bits: int, allowed, what: str) -> None:
         raise BadFieldError(f"TQ01 {what} must be one of {tuple(allowed)}, got {bits}: the header is corrupt.")
 
 
-def _read_prefix(r: _Reader) -> dict:
+def _read_prefix(r: _Reader, verify: bool = True) -> dict:
     magic, version = r.unpack(struct.Struct("<4sB"), "the magic and version")
     if magic != MAGIC:
         raise BadMagicError(
@@ -388,7 +388,7 @@ def _read_prefix(r: _Reader) -> dict:
     _, _, flags, rot, kb, vb, s0, s1, seed = r.unpack(_PREFIX2, "the 17-byte v2 fixed prefix")
     if flags & ~_FLAGS_KNOWN:
         raise BadFieldError(f"TQ01 v2 flags 0x{flags:02x} set unknown bits: the header is corrupt.")
-    if flags & FLAG_CHECKSUM:
+    if flags & FLAG_CHECKSUM and verify:
         _verify_checksum(r)
     if rot not in _ROTATION_NAMES:
         raise BadFieldError(f"TQ01 v2 rotation code {rot} is unknown (known: {ROTATION_CODES}).")
@@ -427,8 +427,8 @@ def _verify_checksum(r: _Reader) -> None:
     r.end = len(r.buf) - _U32.size
 
 
-def _read_header(r: _Reader) -> Header:
-    fields = _read_prefix(r)
+def _read_header(r: _Reader, verify: bool = True) -> Header:
+    fields = _read_prefix(r, verify)
     (ndim,) = r.unpack(struct.Struct("<B"), "ndim")
     if not 1 <= ndim <= MAX_NDIM:
         raise LimitError(f"TQ01 ndim {ndim} is outside 1..{MAX_NDIM} (MAX_NDIM): the header is corrupt.")
@@ -508,9 +508,18 @@ def _as_memoryview(blob) -> memoryview:
 def peek_header(blob) -> Header:
     """Parse only the header (for ``inspect``-style tools and size checks).
 
-    A version-2 blob's checksum is verified here too when it has one.
+    ``blob`` may hold more than the blob it starts with (blobs back to back, or a
+    buffer sized for another layout: the rest is ignored) or only its first bytes.
+    A version-2 checksum is verified when ``blob`` holds the whole blob, whose length
+    follows from the header; :func:`parse` always verifies it.
     """
-    return _read_header(_Reader(_as_memoryview(blob)))
+    mv = _as_memoryview(blob)
+    h = _read_header(_Reader(mv), verify=False)
+    if h.checksum:
+        n = blob_nbytes(h)
+        if len(mv) >= n:
+            _verify_checksum(_Reader(mv[:n]))
+    return h
 
 
 def parse(blob) -> Parsed:
