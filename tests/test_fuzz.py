@@ -152,3 +152,16 @@ def test_regression_bridge_reads_checksummed_blob_from_a_longer_buffer(bridge):
     blob = tq_jax.dumps(x, bits=4, checksum=True)
     out = bridge_decode(bridge, blob + b"\xff" * 100, (2, 3, 4, 32), torch.float32)
     np.testing.assert_array_equal(dlpack.numpy_view(out), np.asarray(tq_jax.loads(blob)).reshape(2, 3, 4, 32))
+
+
+def test_regression_caches_keyed_by_header_fields_are_bounded():
+    # Found by the long run's RSS samples: the device-table cache kept one entry per
+    # (head_dim, bits, seed) a blob named, forever; a stream of blobs with fresh seeds
+    # (or flipped seed bits, which v1 cannot detect) grew it without bound.
+    x = _x((2, 8))
+    for seed in range(codec._DEVICE_CACHE_SIZE + 20):
+        tq_jax.loads(tq_jax.dumps(x, bits=2, seed=1000 + seed))
+    assert len(codec._device_cache) <= codec._DEVICE_CACHE_SIZE
+    from tq_jax import codebook
+
+    assert codebook._lloyd_max.cache_info().maxsize is not None

@@ -160,7 +160,8 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     return a
 
 
-@functools.lru_cache(maxsize=None)
+# Bounded: decoders look tables up by the head_dim and bits a blob's header names.
+@functools.lru_cache(maxsize=1024)
 def _lloyd_max(dim: int, bits: int) -> Codebook:
     centroids, inner = _solve(dim, bits)
     return Codebook(

@@ -23,6 +23,7 @@ References:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -182,25 +183,33 @@ def tables(config: CodecConfig) -> _Tables:
     return _tables(config.dim, config.bits, config.seed, config.rotation)
 
 
-_device_cache: dict = {}
+# Keyed by header fields (a decoder meets whatever seed a blob names), so bounded:
+# least recently used entries go first, as in the lru_caches behind ``tables``.
+_DEVICE_CACHE_SIZE = 64
+_device_cache: collections.OrderedDict = collections.OrderedDict()
 _device_lock = threading.Lock()
 
 
 def device_tables(config: CodecConfig, device=None):
     """``tables(config)`` as committed device arrays, transferred once per device."""
     key = (config.dim, config.bits, config.seed, config.rotation, device)
-    hit = _device_cache.get(key)
-    if hit is None:
-        t = tables(config)
-        put = functools.partial(jax.device_put, device=device)
-        grid = None
-        if t.grid is not None:
-            grid = tuple(put(np.asarray(a)) for a in t.grid)
-        rot = RotationOp(*(None if a is None else put(a) for a in t.rotation))
-        hit = (rot, put(t.centroids), put(t.boundaries), grid)
-        with _device_lock:
-            _device_cache.setdefault(key, hit)
-            hit = _device_cache[key]
+    with _device_lock:
+        hit = _device_cache.get(key)
+        if hit is not None:
+            _device_cache.move_to_end(key)
+            return hit
+    t = tables(config)
+    put = functools.partial(jax.device_put, device=device)
+    grid = None
+    if t.grid is not None:
+        grid = tuple(put(np.asarray(a)) for a in t.grid)
+    rot = RotationOp(*(None if a is None else put(a) for a in t.rotation))
+    hit = (rot, put(t.centroids), put(t.boundaries), grid)
+    with _device_lock:
+        hit = _device_cache.setdefault(key, hit)
+        _device_cache.move_to_end(key)
+        while len(_device_cache) > _DEVICE_CACHE_SIZE:
+            _device_cache.popitem(last=False)
     return hit
 
 
