@@ -277,8 +277,18 @@ def unrotate(y, rotation: RotationOp):
 
 def _norms_and_rotate(x, rotation: RotationOp):
     xf = x.astype(jnp.float32)
-    norms = jnp.sqrt(jnp.sum(xf * xf, axis=-1))
-    u = xf / (norms + NORM_EPS)[..., None]
+    sq = jnp.sum(xf * xf, axis=-1)
+    norms = jnp.sqrt(sq)
+    # A finite vector whose squares overflow float32 (entries beyond ~1e19) would get an
+    # infinite norm and decode as NaN: take its norm and direction from a copy scaled by
+    # 2**-96 (exact). The barrier keeps XLA from folding the scale into the division,
+    # where 1/norm would be subnormal and flushed to zero. Every other vector keeps the
+    # reference's plain norm and direction, bit for bit.
+    big = jnp.isinf(sq) & jnp.all(jnp.isfinite(xf), axis=-1)
+    small = jax.lax.optimization_barrier(xf * np.float32(2.0**-96))
+    small_norms = jnp.sqrt(jnp.sum(small * small, axis=-1))
+    norms = jnp.where(big, small_norms * np.float32(2.0**96), norms)
+    u = jnp.where(big[..., None], small / small_norms[..., None], xf / (norms + NORM_EPS)[..., None])
     return rotate(u, rotation), norms
 
 
