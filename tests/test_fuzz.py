@@ -165,3 +165,24 @@ def test_regression_caches_keyed_by_header_fields_are_bounded():
     from tq_jax import codebook
 
     assert codebook._lloyd_max.cache_info().maxsize is not None
+
+
+def test_regression_qjl_seed_that_no_writer_can_produce_is_refused_by_the_parser():
+    # Found by benchmarks/fuzz_long.py (first run): a v1 QJL blob whose seed + 999999 is
+    # negative parsed, then loads() refused it (numpy cannot seed the QJL matrix). The
+    # parser, the one place that validates, now refuses it; seed -999999 still decodes.
+    for seed, ok in ((-1_000_000, False), (-(2**31), False), (-999_999, True)):
+        blob = _v1_qjl_blob(seed)
+        if ok:
+            assert tq_jax.loads(blob).shape == (2, 16)
+        else:
+            for fn in (wire.peek_header, wire.parse, tq_jax.loads):
+                with pytest.raises(wire.BadFieldError, match="QJL"):
+                    fn(blob)
+
+
+def _v1_qjl_blob(seed, shape=(2, 16), m=4):
+    n_vec, n_el = math.prod(shape[:-1]), math.prod(shape)
+    idx, nrm, sk, rn = (n_el * 2 + 7) // 8, 2 * n_vec, n_vec * m, 2 * n_vec
+    return (_v1_header(shape, use_qjl=1, m=m, seed=seed)
+            + b"".join(struct.pack("<q", n) + b"\x01" * n for n in (idx, nrm, sk, rn)))

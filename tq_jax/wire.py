@@ -101,6 +101,7 @@ MAX_NDIM = 16  # KV layouts use 2..6 axes
 MAX_DIM = 1 << 16  # head_dim
 MAX_ELEMENTS = 1 << 40  # total coordinates in one blob (1 TiB of indices at 8 bits)
 MAX_QJL_SKETCH = 1 << 12
+QJL_SEED_OFFSET = 999999  # the QJL matrix's seed is seed + this (tq_jax.rotation.qjl_matrix)
 # The decoder builds a dense float32 table from the header alone: the Haar rotation
 # (head_dim² entries; for "hadamard" only its odd factor m²) and the QJL matrix (m·d).
 # Built in float64 with a QR, a rotation costs ~64·d² bytes and O(d³) time, so a
@@ -384,6 +385,12 @@ def _read_prefix(r: _Reader, verify: bool = True) -> dict:
             raise BadFieldError(f"TQ01 use_qjl flag must be 0 or 1, got {use_qjl}: the header is corrupt.")
         if use_qjl and not 1 <= qjl_m <= MAX_QJL_SKETCH:
             raise LimitError(f"TQ01 QJL sketch size {qjl_m} is outside 1..{MAX_QJL_SKETCH} (MAX_QJL_SKETCH).")
+        if use_qjl and seed + QJL_SEED_OFFSET < 0:
+            raise BadFieldError(
+                f"TQ01 QJL blob has seed {seed}: its QJL matrix is seeded with seed + {QJL_SEED_OFFSET}, which "
+                f"numpy's default_rng (the reference's) refuses when negative, so no writer produced this "
+                f"blob: the header is corrupt."
+            )
         return dict(bits=bits, seed=seed, use_qjl=bool(use_qjl), qjl_sketch_size=qjl_m, version=1)
     _, _, flags, rot, kb, vb, s0, s1, seed = r.unpack(_PREFIX2, "the 17-byte v2 fixed prefix")
     if flags & ~_FLAGS_KNOWN:
