@@ -125,12 +125,11 @@ def test_second_call_does_not_recompile():
     x = np.random.default_rng(6).standard_normal((3, 40, 64)).astype(np.float32)
     b = tq_jax.dumps(x, bits=4)
     tq_jax.loads(b)
-    enc, dec = blob._encode_block._cache_size(), blob._decode_block._cache_size()
+    programs = blob.compiled_programs()
     for _ in range(3):
         b = tq_jax.dumps(x, bits=4)
         tq_jax.loads(b)
-    assert blob._encode_block._cache_size() == enc
-    assert blob._decode_block._cache_size() == dec
+    assert blob.compiled_programs() == programs
     cfg = tq_jax.CodecConfig(64, 4)
     tq_jax.encode(x, cfg)
     n = codec._encode._cache_size()
@@ -141,14 +140,14 @@ def test_second_call_does_not_recompile():
 
 def test_chunk_stream_compiles_a_bounded_number_of_programs():
     # LMCache-style chunks [2, L, T, H, D] for every token count T = 1..256.
-    before = blob._encode_block._cache_size()
+    before = blob.compiled_programs()
     shapes = set()
     for t in range(1, 257):
         x = np.zeros((2, 2, t, 2, 64), jnp.bfloat16)
         x[..., 0] = 1
         tq_jax.dumps(x, bits=2)
         shapes.add(blob.bucket(2 * 2 * t * 2))
-    compiled = blob._encode_block._cache_size() - before
+    compiled = blob.compiled_programs() - before
     # 256 distinct lengths (8..2048 vectors) -> one program per bucket: 17 here.
     assert compiled <= len(shapes) <= 17
 

@@ -93,15 +93,36 @@ def _aligned_empty(shape, dtype) -> np.ndarray:
 # --------------------------------------------------------------------------- kernels
 
 
-@functools.partial(jax.jit, static_argnames="bits")
-def _encode_block(x, rotation, boundaries, grid, *, bits):
-    """(B, d) floats → (bit stream of B*d indices, float32 norms (B,)).
+_ENCODE_KERNELS: dict = {}  # (config, device) -> jitted kernel; configs come from writers
 
-    Padding rows are cut off on the host (see ``_encode_vectors``); masking them here
-    would cost ~2x: a select between the quantizer and the packer defeats XLA's fusion.
+
+def _encode_kernel(cfg: _codec.CodecConfig, device):
+    """The jit-compiled block encoder of one config on one device: (B, d) floats →
+    (bit stream of B*d indices, float32 norms (B,)).
+
+    The tables are closed over rather than passed: XLA then sees them as constants
+    and fuses the structured rotation far better (measured: hadamard encode 2.3x,
+    Haar 1.1x faster). One program per (config, device, bucket); a different seed is
+    a different config. Padding rows are cut off on the host (see ``_encode_vectors``):
+    masking them here would defeat the fusion of quantizer and packer.
     """
-    idx, norms = _codec.encode_indices(x, rotation, boundaries, grid)
-    return _packing.pack(idx.reshape(-1), bits), norms
+    key = (cfg, device)
+    kernel = _ENCODE_KERNELS.get(key)
+    if kernel is None:
+        rot, _, bnd, grid = _codec.device_tables(cfg, device)
+
+        def encode_block(x):
+            idx, norms = _codec.encode_indices(x, rot, bnd, grid)
+            return _packing.pack(idx.reshape(-1), cfg.bits), norms
+
+        kernel = _ENCODE_KERNELS.setdefault(key, jax.jit(encode_block))  # atomic under the GIL
+    return kernel
+
+
+def compiled_programs() -> int:
+    """Programs the block driver has compiled so far (encode + decode), for tests."""
+    enc = sum(k._cache_size() for k in list(_ENCODE_KERNELS.values()))
+    return enc + _decode_block._cache_size() + _decode_block_qjl._cache_size()
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "dtype", "norm_correction"))
@@ -176,7 +197,7 @@ def _encode_vectors(flat: np.ndarray, cfg: _codec.CodecConfig, block_vectors, de
     """Run the codec over ``flat`` (n, d) block by block: ([stream chunks], norms f32 (n,))."""
     n_vec, dim = flat.shape
     bits = cfg.bits
-    tabs = [_codec.device_tables(cfg, d) for d in devices]
+    kernels = [_encode_kernel(cfg, d) for d in devices]
     block = _block_vectors(dim, block_vectors)
     norms = np.empty(n_vec, np.float32)
     chunks = []
@@ -195,9 +216,8 @@ def _encode_vectors(flat: np.ndarray, cfg: _codec.CodecConfig, block_vectors, de
     for i, start in enumerate(range(0, n_vec, block)):
         nb = min(block, n_vec - start)
         rows = block if nb == block else bucket(nb)
-        rot, _, bnd, grid = tabs[i % len(devices)]
         xb = jax.device_put(_pad_rows(flat[start : start + nb], rows), devices[i % len(devices)])
-        pending.append((start, nb, _encode_block(xb, rot, bnd, grid, bits=bits)))
+        pending.append((start, nb, kernels[i % len(devices)](xb)))
         if len(pending) > _IN_FLIGHT * len(devices):
             collect()
     while pending:
