@@ -53,7 +53,7 @@ def lmc():
 
 def test_async_serde_processor_mixed_tasks_bit_identical_to_serial(lmc):
     torch, SerdeConfig, create_serde_processor, dlpack, byte_obj, key, layout, make_obj, wait = lmc
-    dtypes = [torch.bfloat16, torch.float16, torch.float32]
+    dtypes = [torch.bfloat16, torch.float32]
     rng = np.random.default_rng(0)
     cfg = {"max_workers": 4, "head_dim": SERDE_HEAD_DIM, "bits": 3, "seed": SERDE_SEED}
     proc = create_serde_processor(SerdeConfig("tq_jax", cfg))
@@ -71,13 +71,13 @@ def test_async_serde_processor_mixed_tasks_bit_identical_to_serial(lmc):
         return proc.estimate_serialized_size(layout(obj.get_shapes(), obj.get_dtypes()))
 
     # Blobs for the deserialize tasks, written by a separate batch of objects.
-    pre = [kv(i) for i in range(100)]
+    pre = [kv(i) for i in range(80)]
     pre_dst = [byte_obj(size(o)) for o in pre]
     t = proc.submit_serialize(pre, pre_dst, [key(i, "pre") for i in range(len(pre))])
     assert wait(proc.query_serialize_result, t) is True
 
-    # >= 200 tasks of 1-3 objects, serialize and deserialize interleaved, all in flight.
-    srcs = [kv(200 + i) for i in range(150)]
+    # Tasks of 1-3 objects, serialize and deserialize interleaved, all in flight.
+    srcs = [kv(200 + i) for i in range(100)]
     ser_dst = [byte_obj(size(o)) for o in srcs]
     de_out = [make_obj(o.get_shapes(), o.get_dtypes()) for o in pre]
     for o in de_out:
@@ -93,11 +93,11 @@ def test_async_serde_processor_mixed_tasks_bit_identical_to_serial(lmc):
             sl = slice(i_d, min(i_d + n, len(pre)))
             tasks.append(("de", proc.submit_deserialize(pre_dst[sl], de_out[sl], [key(j, "d") for j in range(sl.start, sl.stop)])))
             i_d = sl.stop
-    assert len(tasks) >= 100
+    assert len(tasks) >= 60
     for kind, tid in tasks:
         q = proc.query_serialize_result if kind == "ser" else proc.query_deserialize_result
         assert wait(q, tid) is True, (kind, tid)
-    # ... and once more as one task per object (4 workers, 250 single-object tasks).
+    # ... and once more as one task per object (4 workers, 180 single-object tasks).
     ser_dst2 = [byte_obj(size(o)) for o in srcs]
     de_out2 = [make_obj(o.get_shapes(), o.get_dtypes()) for o in pre]
     singles = [("ser", proc.submit_serialize([s], [d], [key(j, "s2")])) for j, (s, d) in enumerate(zip(srcs, ser_dst2))]

@@ -265,7 +265,7 @@ def synthesized(draw):
 # ----------------------------------------------------------------------------- fuzzing
 
 
-@settings(FUZZ, max_examples=600)
+@settings(FUZZ, max_examples=500)
 @given(st.sampled_from([b"", b"TQ01", b"TQ01\x01", b"TQ01\x02", b"TQ01\x02\x01"]), st.binary(max_size=300))
 def test_random_bytes_raise_only_wire_errors(prefix, tail):
     check_blob(prefix + tail)
@@ -284,13 +284,13 @@ def test_every_truncation_and_extension_of_valid_blobs():
             wire.parse(blob + b"\0")
 
 
-@settings(FUZZ, max_examples=1500)
+@settings(FUZZ, max_examples=1200)
 @given(mutated())
 def test_mutated_blobs_raise_only_wire_errors_or_decode_to_their_shape(case):
     check_blob(case[0])
 
 
-@settings(FUZZ, max_examples=80)
+@settings(FUZZ, max_examples=50)
 @given(synthesized())
 def test_structurally_valid_blobs_parse_and_decode(blob):
     y = check_blob(blob)
@@ -501,9 +501,10 @@ def test_regression_caches_keyed_by_header_fields_are_bounded():
     # Found by the long run's RSS samples: the device-table cache kept one entry per
     # (head_dim, bits, seed) a blob named, forever; a stream of blobs with fresh seeds
     # (or flipped seed bits, which v1 cannot detect) grew it without bound.
-    x = _x((2, 8))
+    blob = bytearray(tq_jax.dumps(_x((2, 8)), bits=2))
     for seed in range(codec._DEVICE_CACHE_SIZE + 20):
-        tq_jax.loads(tq_jax.dumps(x, bits=2, seed=1000 + seed))
+        struct.pack_into("<i", blob, 9, 1000 + seed)  # the v1 seed field, as a reader meets it
+        tq_jax.loads(bytes(blob))
     assert len(codec._device_cache) <= codec._DEVICE_CACHE_SIZE
     from tq_jax import codebook
 

@@ -77,15 +77,20 @@ ALL_FORMATS = [
 
 @pytest.mark.parametrize("opts", ALL_FORMATS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
 def test_zero_vectors_decode_to_exact_zeros(opts):
-    x = np.random.default_rng(1).standard_normal((2, 3, 4, D)).astype(np.float32)
-    x[0, 1, 2] = 0.0
-    x[1, 2] = 0.0
+    if "key_bits" in opts or "checksum" in opts:
+        x = np.random.default_rng(1).standard_normal((2, 3, 4, D)).astype(np.float32)
+        x[0, 1, 2] = 0.0
+        x[1, 2] = 0.0
+        x = x.astype(jnp.bfloat16)
+    else:  # the shape and dtype of test_every_bit_width: the same compiled programs
+        x = unit(512, 128, seed=99)
+        x[::7] = 0.0
     for t in (x, np.zeros_like(x)):
-        blob, y = rt(t.astype(jnp.bfloat16), **opts)
+        blob, y = rt(t, **opts)
         assert np.isfinite(np.asarray(y, np.float32)).all()
-        zero = ~np.any(t != 0, axis=-1)
-        assert (np.asarray(y, np.float32)[zero] == 0).all()
-        assert len(blob) == tq_jax.serialized_size(t.shape, "bfloat16", **opts)
+        zero = ~np.any(np.asarray(t, np.float32) != 0, axis=-1)
+        assert zero.any() and (np.asarray(y, np.float32)[zero] == 0).all()
+        assert len(blob) == tq_jax.serialized_size(t.shape, jnp.dtype(t.dtype).name, **opts)
 
 
 # ----------------------------------------------------------------------------- tiny norms
@@ -195,7 +200,7 @@ def test_non_finite_entries_poison_only_their_vector(bad, opts):
 # ----------------------------------------------------------------------------- shapes
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 7, 13])
+@pytest.mark.parametrize("tokens", [1, 3, 7])
 def test_single_and_odd_token_counts(tokens):
     x = np.random.default_rng(tokens).standard_normal((2, 3, tokens, 2, D)).astype(np.float32).astype(jnp.bfloat16)
     for opts in (dict(bits=3), dict(key_bits=4, value_bits=2, skip_last_layers=1, checksum=True)):
@@ -276,15 +281,13 @@ def _run_determinism(extra_env: dict, arg: str) -> dict:
 
 
 def test_bytes_identical_across_runs_and_device_counts():
-    """A fresh process, a fresh process dealing blocks over 4 devices, and this one
-    (whatever ran in it before: warm caches, other threads) write the same bytes and
-    decode the same values."""
-    one = _run_determinism({}, "default")
+    """A fresh process dealing blocks over 4 devices and this one (one device, whatever
+    ran in it before: warm caches, other threads) write the same bytes and decode the
+    same values."""
     four = _run_determinism({"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}, "all")
-    assert four.pop("devices") == 4 and one.pop("devices") >= 1
-    assert one == four
+    assert four.pop("devices") == 4
     namespace: dict = {"__name__": "determinism"}
     exec(DETERMINISM_SCRIPT.replace('sys.argv[1] == "all"', "False"), namespace)  # noqa: S102
     here = namespace["out"]
     here.pop("devices")
-    assert here == one
+    assert here == four
