@@ -213,3 +213,10 @@ def test_dump_into_writes_exact_size():
     assert tq_jax.dump_into(x, buf, bits=3) == need
     assert buf[:need].tobytes() == tq_jax.dumps(x, bits=3)
     assert not buf[need:].any()
+
+
+def test_encode_kernel_cache_is_bounded():
+    x = np.random.default_rng(9).standard_normal((8, 16)).astype(np.float32)
+    for seed in range(blob._MAX_ENCODE_KERNELS + 5):
+        tq_jax.dumps(x, bits=2, seed=seed)
+    assert len(blob._ENCODE_KERNELS) <= blob._MAX_ENCODE_KERNELS

@@ -93,7 +93,8 @@ def _aligned_empty(shape, dtype) -> np.ndarray:
 # --------------------------------------------------------------------------- kernels
 
 
-_ENCODE_KERNELS: dict = {}  # (config, device) -> jitted kernel; configs come from writers
+_ENCODE_KERNELS: dict = {}  # (config, device) -> jitted kernel, oldest first
+_MAX_ENCODE_KERNELS = 64  # like the device-table cache: a writer cycling seeds stays bounded
 
 
 def _encode_kernel(cfg: _codec.CodecConfig, device):
@@ -116,6 +117,11 @@ def _encode_kernel(cfg: _codec.CodecConfig, device):
             return _packing.pack(idx.reshape(-1), cfg.bits), norms
 
         kernel = _ENCODE_KERNELS.setdefault(key, jax.jit(encode_block))  # atomic under the GIL
+        while len(_ENCODE_KERNELS) > _MAX_ENCODE_KERNELS:
+            try:
+                del _ENCODE_KERNELS[next(iter(_ENCODE_KERNELS))]
+            except (KeyError, StopIteration, RuntimeError):  # another thread evicted first
+                break
     return kernel
 
 
