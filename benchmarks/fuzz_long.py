@@ -119,31 +119,12 @@ def qjl_blob(np, rng, shape, m):
 def field_map(blob: bytes, wire):
     """Offsets of a valid blob's header fields and section-length fields.
 
-    Returns (fields, section_length_offsets, crc): fields maps a name to (offset, struct fmt).
+    Returns (fields, section_length_offsets, crc): fields maps a name to (offset, struct fmt);
+    ``"dtype"`` (fmt None) is the dtype name.
     """
-    h = wire.peek_header(blob)
-    f = {"version": (4, "<B")}
-    if h.version == 1:
-        f.update(bits=(5, "<B"), use_qjl=(6, "<B"), qjl_m=(7, "<H"), seed=(9, "<i"))
-        off = 13
-    else:
-        f.update(flags=(5, "<B"), rotation=(6, "<B"), key_bits=(7, "<B"), value_bits=(8, "<B"),
-                 skip_first=(9, "<H"), skip_last=(11, "<H"), seed=(13, "<i"))
-        off = 17
-    f["ndim"] = (off, "<B")
-    for i in range(len(h.shape)):
-        f[f"shape[{i}]"] = (off + 1 + 8 * i, "<q")
-    off += 1 + 8 * len(h.shape)
-    f["dtype_len"] = (off, "<B")
-    f["dtype"] = (off + 1, None)
-    off += 1 + len(h.dtype)
-    lens = []
-    end = len(blob) - (4 if h.checksum else 0)
-    while off < end:
-        lens.append(off)
-        (n,) = struct.unpack_from("<q", blob, off)
-        off += 8 + n
-    return f, lens, h.checksum
+    fields, lengths, crc = wire.field_offsets(blob)
+    fields["dtype"] = (fields["dtype_len"][0] + 1, None)
+    return fields, lengths, crc
 
 
 def fix_crc(b: bytearray) -> bytearray:

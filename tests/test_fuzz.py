@@ -89,26 +89,7 @@ def corpus() -> tuple:
 
 def field_map(blob: bytes):
     """Offsets of a valid blob's header fields {name: (offset, fmt)} and section lengths."""
-    h = wire.peek_header(blob)
-    f = {"version": (4, "<B")}
-    if h.version == 1:
-        f.update(bits=(5, "<B"), use_qjl=(6, "<B"), qjl_m=(7, "<H"), seed=(9, "<i"))
-        off = 13
-    else:
-        f.update(flags=(5, "<B"), rotation=(6, "<B"), key_bits=(7, "<B"), value_bits=(8, "<B"),
-                 skip_first=(9, "<H"), skip_last=(11, "<H"), seed=(13, "<i"))
-        off = 17
-    f["ndim"] = (off, "<B")
-    for i in range(len(h.shape)):
-        f[f"shape{i}"] = (off + 1 + 8 * i, "<q")
-    off += 1 + 8 * len(h.shape)
-    f["dtype_len"] = (off, "<B")
-    off += 1 + len(h.dtype)
-    lengths, end = [], len(blob) - (4 if h.checksum else 0)
-    while off < end:
-        lengths.append(off)
-        off += 8 + struct.unpack_from("<q", blob, off)[0]
-    return f, lengths, h.checksum
+    return wire.field_offsets(blob)
 
 
 def with_crc(b: bytearray) -> bytes:

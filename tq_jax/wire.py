@@ -512,6 +512,37 @@ def _as_memoryview(blob) -> memoryview:
     return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
 
 
+def field_offsets(blob):
+    """Where a valid blob keeps its header fields and section lengths (for fuzzers/tools).
+
+    Returns:
+        ``(fields, section_length_offsets, checksum)``: ``fields`` maps a header field name
+        (``"version"``, ``"bits"``, ``"shape[0]"``, ...) to ``(offset, struct format)``;
+        the offsets of every i64 section-length field in order; whether a CRC32 trailer
+        follows.
+    """
+    h = peek_header(blob)
+    f = {"version": (4, "<B")}
+    if h.version == VERSION_1:
+        f.update(bits=(5, "<B"), use_qjl=(6, "<B"), qjl_m=(7, "<H"), seed=(9, "<i"))
+        off = _PREFIX.size
+    else:
+        f.update(flags=(5, "<B"), rotation=(6, "<B"), key_bits=(7, "<B"), value_bits=(8, "<B"),
+                 skip_first=(9, "<H"), skip_last=(11, "<H"), seed=(13, "<i"))
+        off = _PREFIX2.size
+    f["ndim"] = (off, "<B")
+    for i in range(len(h.shape)):
+        f[f"shape[{i}]"] = (off + 1 + 8 * i, "<q")
+    off += 1 + 8 * len(h.shape)
+    f["dtype_len"] = (off, "<B")
+    off += 1 + len(h.dtype)
+    lengths, end = [], len(blob) - (_U32.size if h.checksum else 0)
+    while off < end:
+        lengths.append(off)
+        off += 8 + _I64.unpack_from(blob, off)[0]
+    return f, lengths, h.checksum
+
+
 def peek_header(blob) -> Header:
     """Parse only the header (for ``inspect``-style tools and size checks).
 
