@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import tq_jax
-from tq_jax import blob, codebook, codec
+from tq_jax import blob, codebook, codec, packing
 
 W1 = (2, 32, 256, 8, 128)  # one LLaMA-3-8B LMCache chunk, per head
 
@@ -51,6 +51,47 @@ def test_indices_are_nearest_centroid(bits):
     want = np.abs(y[..., None] - t.centroids).argmin(-1)
     idx, _ = codec.encode_indices(x, t.rotation, t.boundaries, None if t.grid is None else t.grid)
     assert (np.asarray(idx) == want).mean() >= 0.999
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_quantizer_counts_boundaries_strictly_below(bits):
+    # Independent expectation: numpy's searchsorted (side="left" counts b < y), on
+    # random values, every boundary itself, its float32 neighbours (bar subnormals), ±0, ±inf
+    # and NaN.
+    t = codec.tables(tq_jax.CodecConfig(64, bits))
+    b = t.boundaries
+    y = np.concatenate(
+        [
+            np.random.default_rng(bits).normal(0, 0.15, 4000).astype(np.float32),
+            b,
+            np.nextafter(b, np.float32(np.inf)),
+            np.nextafter(b, np.float32(-np.inf)),
+            np.array([0.0, -0.0] + ([np.inf, -np.inf] if bits <= 4 else []), np.float32),
+        ]
+    )  # (wider codebooks send non-finite coordinates to cell 0: their vector's norm is non-finite)
+    y = y[~((y != 0) & (np.abs(y) < np.finfo(np.float32).tiny))]  # XLA's CPU flushes subnormals to zero
+    got = np.asarray(codec._quantize(jnp.asarray(y), jnp.asarray(b), None if t.grid is None else t.grid))
+    np.testing.assert_array_equal(got, np.searchsorted(b, y, side="left"))
+    if bits <= 4:
+        assert np.asarray(codec._quantize(jnp.float32(np.nan), jnp.asarray(b), t.grid)) == 0
+
+
+@pytest.mark.parametrize("rotation", ["haar", "hadamard"])
+@pytest.mark.parametrize("dim,bits", [(64, 4), (96, 3), (128, 2), (80, 6), (64, 1), (12, 3)])
+def test_row_kernels_equal_the_natural_order_pipeline(dim, bits, rotation):
+    # The planar kernels (indices never in natural order) against encode_indices +
+    # pack / unpack + decode_indices; (12, 3) has unaligned rows (the natural path).
+    cfg = tq_jax.CodecConfig(dim, bits, rotation=rotation)
+    t = codec.device_tables(cfg)
+    x = np.random.default_rng(dim * bits).standard_normal((300, dim)).astype(np.float32)
+    idx, norms = codec.encode_indices(x, t.rotation, t.boundaries, t.grid)
+    rows, norms2 = codec.encode_rows(jnp.asarray(x), t, bits)
+    natural = np.asarray(packing.pack(idx, bits))
+    assert (np.asarray(rows) == natural).mean() >= 0.999  # a tie may round the other way
+    np.testing.assert_array_equal(np.asarray(norms2), np.asarray(norms))
+    want = codec.decode_indices(packing.unpack(natural, bits, dim), norms, t.rotation, t.centroids, jnp.float32)
+    got = codec.decode_rows(jnp.asarray(natural), norms, t, bits, jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=2e-5 * float(np.abs(want).max()))
 
 
 def test_zero_vectors_decode_to_exact_zeros():

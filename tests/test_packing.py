@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tq_jax.packing import pack, packed_nbytes, unpack
+from tq_jax.packing import pack, pack_planes, packed_nbytes, plane_count, plane_order, unpack, unpack_planes
 
 tqai_packing = pytest.importorskip("tqai.packing")
 
@@ -88,3 +88,38 @@ def test_bad_bits_and_short_input():
         pack(np.zeros(4, np.uint8), 9)
     with pytest.raises(ValueError, match="need 2 bytes"):
         unpack(np.zeros(1, np.uint8), 4, 3)
+
+
+# ----------------------------------------------------------------------------- planes
+
+
+@settings(max_examples=150, deadline=None)
+@given(bits=st.integers(1, 8), data=st.data())
+def test_planes_pack_to_the_natural_bytes(bits, data):
+    # Independent expectation: pack() of the same indices in natural order.
+    g = plane_count(bits)
+    n = g * data.draw(st.integers(1, 40))
+    rows = data.draw(st.integers(1, 3))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    idx = rng.integers(0, 2**bits, size=(rows, n)).astype(np.uint8)
+    order = plane_order(n, bits)
+    planes = idx[:, order].reshape(rows, g, n // g)
+    assert planes[0, 1 % g, 0] == idx[0, 1 % g]  # plane i starts with natural index i
+    packed = np.asarray(pack(idx, bits))
+    np.testing.assert_array_equal(np.asarray(pack_planes(planes, bits)), packed)
+    np.testing.assert_array_equal(np.asarray(unpack_planes(packed, bits, n)), planes)
+
+
+def test_plane_count_is_the_smallest_byte_aligned_group():
+    for bits in range(1, 9):
+        g = plane_count(bits)
+        assert (g * bits) % 8 == 0 and all((k * bits) % 8 for k in range(1, g))
+
+
+def test_planes_refuse_unaligned_rows():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        plane_order(12, 3)
+    with pytest.raises(ValueError, match="shape"):
+        pack_planes(np.zeros((4, 3), np.uint8), 4)
+    with pytest.raises(ValueError, match="unpack_planes"):
+        unpack_planes(np.zeros((5,), np.uint8), 4, 12)

@@ -135,6 +135,10 @@ class _Tables(NamedTuple):
     centroids: np.ndarray  # float32 (2**bits,)
     boundaries: np.ndarray  # float32 (2**bits - 1,)
     grid: tuple | None  # (lo, inv_width, start int32 (M,), bound float32 (M,)) for bits > 4
+    # The dense rotation with its rows in planar order (packing.plane_order), so that
+    # ``rotate`` yields coordinates ready to pack; None for Hadamard (its output is
+    # regrouped in the kernel) or when rows are not byte-aligned (dim*bits % 8 != 0).
+    planar_dense: np.ndarray | None
 
 
 def _search_grid(boundaries: np.ndarray):
@@ -170,12 +174,21 @@ def _search_grid(boundaries: np.ndarray):
 def _tables(dim: int, bits: int, seed: int, rotation: str) -> _Tables:
     cb = _codebook.lloyd_max(dim, bits)
     grid = _search_grid(cb.boundaries) if bits > _COMPARE_ALL_MAX_BITS else None
+    planar_dense = None
     if rotation == "haar":
         op = RotationOp(dense=_rotation.haar_rotation(dim, seed))
+        if _planar(dim, bits):
+            planar_dense = np.ascontiguousarray(op.dense[_packing.plane_order(dim, bits)])
+            planar_dense.flags.writeable = False
     else:
         st = _rotation.structured_rotation(dim, seed)
         op = RotationOp(signs=st.signs, odd=st.odd)
-    return _Tables(op, cb.centroids, cb.boundaries, grid)
+    return _Tables(op, cb.centroids, cb.boundaries, grid, planar_dense)
+
+
+def _planar(dim: int, bits: int) -> bool:
+    """Rows are byte-aligned, so the kernels can work on index planes."""
+    return dim % _packing.plane_count(bits) == 0
 
 
 def tables(config: CodecConfig) -> _Tables:
@@ -190,7 +203,14 @@ _device_cache: collections.OrderedDict = collections.OrderedDict()
 _device_lock = threading.Lock()
 
 
-def device_tables(config: CodecConfig, device=None):
+def _to_arrays(t: _Tables, put) -> _Tables:
+    grid = None if t.grid is None else tuple(put(np.asarray(a)) for a in t.grid)
+    rot = RotationOp(*(None if a is None else put(a) for a in t.rotation))
+    planar = None if t.planar_dense is None else put(t.planar_dense)
+    return _Tables(rot, put(t.centroids), put(t.boundaries), grid, planar)
+
+
+def device_tables(config: CodecConfig, device=None) -> _Tables:
     """``tables(config)`` as committed device arrays, transferred once per device."""
     key = (config.dim, config.bits, config.seed, config.rotation, device)
     with _device_lock:
@@ -198,13 +218,7 @@ def device_tables(config: CodecConfig, device=None):
         if hit is not None:
             _device_cache.move_to_end(key)
             return hit
-    t = tables(config)
-    put = functools.partial(jax.device_put, device=device)
-    grid = None
-    if t.grid is not None:
-        grid = tuple(put(np.asarray(a)) for a in t.grid)
-    rot = RotationOp(*(None if a is None else put(a) for a in t.rotation))
-    hit = (rot, put(t.centroids), put(t.boundaries), grid)
+    hit = _to_arrays(tables(config), functools.partial(jax.device_put, device=device))
     with _device_lock:
         hit = _device_cache.setdefault(key, hit)
         _device_cache.move_to_end(key)
@@ -216,12 +230,35 @@ def device_tables(config: CodecConfig, device=None):
 # --------------------------------------------------------------------------- kernels
 
 
+def _pick(bits_so_far, values):
+    """``values[k]`` where ``k`` is the number whose binary digits (MSB first) are the
+    boolean arrays ``bits_so_far``: a tree of ``len(values) - 1`` selects."""
+    if not bits_so_far:
+        return values[0]
+    half = len(values) // 2
+    return jnp.where(bits_so_far[0], _pick(bits_so_far[1:], values[half:]), _pick(bits_so_far[1:], values[:half]))
+
+
 def _quantize(y, boundaries, grid):
-    """Index of the nearest centroid = number of boundaries strictly below ``y``."""
+    """Index of the nearest centroid = number of boundaries strictly below ``y``.
+
+    Up to 4 bits: a branch-free binary search — ``bits`` comparisons, each against a
+    boundary chosen by the previous answers with selects over the (sorted) table.
+    Every comparison is ``y > b`` as in a full count, so the result is exactly the
+    count of boundaries below ``y`` (NaN compares false everywhere: index 0). Wider
+    codebooks narrow ``y`` to one boundary with a uniform grid (``_search_grid``).
+    """
     if grid is None:
+        n_bits = (boundaries.shape[0] + 1).bit_length() - 1
+        answers = []
+        for level in range(n_bits):
+            step = 1 << (n_bits - level - 1)
+            # the middle boundary of each interval the answers so far leave open
+            cands = [boundaries[p * 2 * step + step - 1] for p in range(1 << level)]
+            answers.append(y > _pick(answers, cands))
         idx = jnp.zeros(y.shape, jnp.uint8)
-        for k in range(boundaries.shape[0]):
-            idx = idx + (y > boundaries[k]).astype(jnp.uint8)
+        for level, a in enumerate(answers):
+            idx = idx | (a.astype(jnp.uint8) << jnp.uint8(n_bits - 1 - level))
         return idx
     lo, inv_width, start, bound = grid
     cells = start.shape[0]
@@ -275,25 +312,49 @@ def unrotate(y, rotation: RotationOp):
     return _kron_apply(y, rotation.odd, transpose=True) * rotation.signs
 
 
-def _norms_and_rotate(x, rotation: RotationOp):
-    xf = x.astype(jnp.float32)
+def _normalize_robust(xf):
+    """Norms and unit vectors, also for finite vectors whose squares overflow float32.
+
+    Such a vector (entries beyond ~1e19) would get an infinite norm and decode as NaN:
+    take its norm and direction from a copy scaled by 2**-96 (exact). The barrier
+    keeps XLA from folding the scale into the division, where 1/norm would be
+    subnormal and flushed to zero. Every other vector keeps the reference's plain
+    norm and direction, bit for bit.
+    """
     sq = jnp.sum(xf * xf, axis=-1)
     norms = jnp.sqrt(sq)
-    # A finite vector whose squares overflow float32 (entries beyond ~1e19) would get an
-    # infinite norm and decode as NaN: take its norm and direction from a copy scaled by
-    # 2**-96 (exact). The barrier keeps XLA from folding the scale into the division,
-    # where 1/norm would be subnormal and flushed to zero. Every other vector keeps the
-    # reference's plain norm and direction, bit for bit.
     big = jnp.isinf(sq) & jnp.all(jnp.isfinite(xf), axis=-1)
     small = jax.lax.optimization_barrier(xf * np.float32(2.0**-96))
     small_norms = jnp.sqrt(jnp.sum(small * small, axis=-1))
     norms = jnp.where(big, small_norms * np.float32(2.0**96), norms)
     u = jnp.where(big[..., None], small / small_norms[..., None], xf / (norms + NORM_EPS)[..., None])
+    return u, norms
+
+
+def _normalize(x):
+    """``(x / (||x|| + eps), ||x||)`` in float32, as the reference computes them.
+
+    The common case is one reduction and one division; the robust variant above runs
+    only when some squared norm overflowed (``lax.cond``; under ``vmap`` both run and
+    a select picks, which is still correct).
+    """
+    xf = x.astype(jnp.float32)
+    sq = jnp.sum(xf * xf, axis=-1)
+
+    def plain(xf):
+        norms = jnp.sqrt(sq)
+        return xf / (norms + NORM_EPS)[..., None], norms
+
+    return jax.lax.cond(jnp.any(jnp.isinf(sq)), _normalize_robust, plain, xf)
+
+
+def _norms_and_rotate(x, rotation: RotationOp):
+    u, norms = _normalize(x)
     return rotate(u, rotation), norms
 
 
 def encode_indices(x, rotation, boundaries, grid):
-    """Unpacked uint8 indices ``(..., d)`` and float32 norms ``(...)`` of ``x``."""
+    """Unpacked uint8 indices ``(..., d)`` (natural order) and float32 norms ``(...)``."""
     y, norms = _norms_and_rotate(x, rotation)
     return _quantize(y, boundaries, grid), norms
 
@@ -318,16 +379,51 @@ def decode_indices(indices, norms, rotation: RotationOp, centroids, dtype, qjl=N
     return (x_hat * norms.astype(jnp.float32)[..., None]).astype(dtype)
 
 
+def encode_rows(x, tabs: _Tables, bits: int):
+    """Packed rows uint8 ``(..., ceil(d*bits/8))`` and float32 norms ``(...)`` of ``x``.
+
+    With byte-aligned rows the indices never exist in natural order: the rotation
+    emits them as planes (``packing.plane_order``) that pack with no interleaving.
+    """
+    d = x.shape[-1]
+    if not _planar(d, bits):
+        idx, norms = encode_indices(x, tabs.rotation, tabs.boundaries, tabs.grid)
+        return _packing.pack(idx, bits), norms
+    g = _packing.plane_count(bits)
+    u, norms = _normalize(x)
+    if tabs.planar_dense is not None:
+        y = jnp.matmul(u, tabs.planar_dense.T, precision=_HI).reshape(*u.shape[:-1], g, d // g)
+    else:
+        y = jnp.swapaxes(rotate(u, tabs.rotation).reshape(*u.shape[:-1], d // g, g), -1, -2)
+    return _packing.pack_planes(_quantize(y, tabs.boundaries, tabs.grid), bits), norms
+
+
+def decode_rows(packed, norms, tabs: _Tables, bits: int, dtype, norm_correction=False):
+    """Inverse of :func:`encode_rows`: ``(..., d)`` vectors of ``dtype``."""
+    d = _dim_of(tabs.rotation)
+    if not _planar(d, bits):
+        idx = _packing.unpack(packed, bits, d)
+        return decode_indices(idx, norms, tabs.rotation, tabs.centroids, dtype, norm_correction=norm_correction)
+    g = _packing.plane_count(bits)
+    c = jnp.take(tabs.centroids, _packing.unpack_planes(packed, bits, d).astype(jnp.int32), mode="clip")
+    if norm_correction:
+        c = c * jax.lax.rsqrt(jnp.sum(c * c, axis=(-2, -1), keepdims=True))
+    batch = c.shape[:-2]
+    if tabs.planar_dense is not None:
+        x_hat = jnp.matmul(c.reshape(*batch, d), tabs.planar_dense, precision=_HI)
+    else:
+        x_hat = unrotate(jnp.swapaxes(c, -1, -2).reshape(*batch, d), tabs.rotation)
+    return (x_hat * norms.astype(jnp.float32)[..., None]).astype(dtype)
+
+
 @functools.partial(jax.jit, static_argnames="bits")
-def _encode(x, rotation, boundaries, grid, *, bits):
-    idx, norms = encode_indices(x, rotation, boundaries, grid)
-    return Encoded(_packing.pack(idx, bits), norms)
+def _encode(x, tabs, *, bits):
+    return Encoded(*encode_rows(x, tabs, bits))
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "dtype", "norm_correction"))
-def _decode(packed, norms, rotation, centroids, *, bits, dtype, norm_correction):
-    idx = _packing.unpack(packed, bits, _dim_of(rotation))
-    return decode_indices(idx, norms, rotation, centroids, dtype, norm_correction=norm_correction)
+def _decode(packed, norms, tabs, *, bits, dtype, norm_correction):
+    return decode_rows(packed, norms, tabs, bits, dtype, norm_correction)
 
 
 def _dim_of(rotation: RotationOp) -> int:
@@ -373,8 +469,7 @@ def encode(x: "Float[Array, '*batch dim']", config: CodecConfig) -> Encoded:
         ((3, 32), (3,))
     """
     x = _check_input(x, config)
-    rot, _, bnd, grid = _as_arrays(config)
-    return _encode(x, rot, bnd, grid, bits=config.bits)
+    return _encode(x, device_tables(config), bits=config.bits)
 
 
 def decode(encoded: Encoded, config: CodecConfig, dtype=jnp.float32) -> "Float[Array, '*batch dim']":
@@ -396,14 +491,11 @@ def decode(encoded: Encoded, config: CodecConfig, dtype=jnp.float32) -> "Float[A
             f"dim={config.dim}, bits={config.bits}; got packed {tuple(packed.shape)} and "
             f"norms {tuple(jnp.shape(norms))}."
         )
-    rot, cen, _, _ = _as_arrays(config)
     return _decode(
-        packed, norms, rot, cen, bits=config.bits, dtype=jnp.dtype(dtype), norm_correction=config.norm_correction
+        packed,
+        norms,
+        device_tables(config),
+        bits=config.bits,
+        dtype=jnp.dtype(dtype),
+        norm_correction=config.norm_correction,
     )
-
-
-def _as_arrays(config: CodecConfig):
-    t = tables(config)
-    grid = None if t.grid is None else tuple(jnp.asarray(a) for a in t.grid)
-    rot = RotationOp(*(None if a is None else jnp.asarray(a) for a in t.rotation))
-    return rot, jnp.asarray(t.centroids), jnp.asarray(t.boundaries), grid

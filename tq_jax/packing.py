@@ -23,17 +23,19 @@ Golden vectors (from the reference, also in tests/test_packing.py)::
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from typing import TYPE_CHECKING
 
 from jax import lax
+import numpy as np
 
 if TYPE_CHECKING:  # annotations only; jaxtyping is not a runtime dependency
     from jaxtyping import Array, UInt8
 
-__all__ = ["pack", "unpack", "packed_nbytes", "BITS_RANGE"]
+__all__ = ["pack", "unpack", "pack_planes", "unpack_planes", "plane_count", "packed_nbytes", "BITS_RANGE"]
 
 BITS_RANGE = range(1, 9)
 _GROUP = 8  # indices per group; a group packs into exactly `bits` bytes
@@ -56,15 +58,16 @@ def packed_nbytes(n: int, bits: int) -> int:
     return (n * bits + 7) // 8
 
 
-def _overlaps(bits: int):
+def _overlaps(bits: int, group: int = _GROUP):
     """Static (index position, byte position, shift) triples of one group.
 
+    ``group`` indices of ``bits`` bits fill ``group*bits/8`` whole bytes.
     ``shift = i*bits - 8*j``: a positive shift moves index ``i`` left into byte
     ``j``; a negative one moves byte ``j``'s bits right onto index ``i``.
     """
     out = []
-    for i in range(_GROUP):
-        for j in range(bits):
+    for i in range(group):
+        for j in range(group * bits // 8):
             lo, hi = i * bits, (i + 1) * bits
             if lo < 8 * (j + 1) and hi > 8 * j:
                 out.append((i, j, lo - 8 * j))
@@ -156,3 +159,98 @@ def unpack(packed: UInt8[Array, "*batch nbytes"], bits: int, n: int) -> UInt8[Ar
     mask = jnp.uint32((1 << bits) - 1)
     idx = (jnp.stack(out, axis=-1) & mask).astype(jnp.uint8).reshape(*batch, groups * _GROUP)
     return idx[..., :n]
+
+
+# --------------------------------------------------------------------------- planes
+#
+# The codec kernels do not need indices in their natural order, only the right bytes.
+# A row of ``n`` indices splits into groups of ``G = plane_count(bits)`` consecutive
+# indices — the fewest that fill whole bytes (G = 2 at 4 bits: one byte) — and
+# *plane* ``i`` collects index ``i`` of every group: ``planes[..., i, g]`` is the
+# natural index ``g*G + i``. Each packed byte is then an OR of shifted planes (no
+# interleaving of indices), and unpacking is one broadcast shift. The rotation's
+# rows are permuted once to produce (and consume) coordinates in that order, so the
+# permutation costs nothing per vector. Needs ``n % G == 0``, i.e. byte-aligned rows.
+
+
+def plane_count(bits: int) -> int:
+    """Indices per byte-aligned group: ``8 // gcd(8, bits)`` (1, 2, 4 or 8)."""
+    _check_bits(bits)
+    return 8 // math.gcd(8, bits)
+
+
+def plane_order(n: int, bits: int):
+    """Natural positions in planar order: ``indices[..., plane_order(n, bits)]`` are
+    the planes of ``indices`` laid end to end."""
+    g = plane_count(bits)
+    if n % g:
+        raise ValueError(f"planes need a row length that is a multiple of {g} at {bits} bits, got {n}")
+    return np.arange(n).reshape(n // g, g).T.reshape(-1)
+
+
+def _check_planes(shape, bits):
+    g = plane_count(bits)
+    if len(shape) < 2 or shape[-2] != g:
+        raise ValueError(f"planes at {bits} bits must have shape (..., {g}, m), got {tuple(shape)}")
+    return g
+
+
+@functools.partial(jax.jit, static_argnames="bits")
+def pack_planes(planes: UInt8[Array, "*batch G m"], bits: int) -> UInt8[Array, "*batch nbytes"]:
+    """Pack planar indices (see :func:`plane_order`) into the bytes :func:`pack` makes
+    of the same indices in natural order.
+
+    Args:
+        planes: uint8 ``(..., G, m)`` with ``G = plane_count(bits)``; values must be
+            below ``2**bits`` (not masked: the quantizer never exceeds it).
+        bits: width of one index, 1..8 (static).
+
+    Returns:
+        uint8 ``(..., m*G*bits/8)``, equal to ``pack(natural, bits)``.
+    """
+    _check_bits(bits)
+    planes = jnp.asarray(planes, jnp.uint8)
+    g = _check_planes(planes.shape, bits)
+    per_group = g * bits // 8
+    out = [None] * per_group
+    for i, j, s in _overlaps(bits, g):
+        v = planes[..., i, :]
+        piece = lax.shift_left(v, jnp.uint8(s)) if s >= 0 else lax.shift_right_logical(v, jnp.uint8(-s))
+        out[j] = piece if out[j] is None else out[j] | piece
+    if per_group == 1:
+        return out[0]
+    m = planes.shape[-1]
+    return jnp.stack(out, axis=-1).reshape(*planes.shape[:-2], m * per_group)
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "n"))
+def unpack_planes(packed: UInt8[Array, "*batch nbytes"], bits: int, n: int) -> UInt8[Array, "*batch G m"]:
+    """Inverse of :func:`pack_planes`: the planes of the ``n`` indices in each row.
+
+    Args:
+        packed: uint8 ``(..., n*bits/8)`` byte-aligned rows.
+        bits: width of one index, 1..8 (static).
+        n: indices per row (static), a multiple of ``plane_count(bits)``.
+
+    Returns:
+        uint8 ``(..., G, n/G)``.
+    """
+    g = plane_count(bits)
+    packed = jnp.asarray(packed, jnp.uint8)
+    if n % g or packed.shape[-1] != n * bits // 8:
+        raise ValueError(
+            f"unpack_planes: rows of {n} indices of {bits} bits need n % {g} == 0 and "
+            f"{n * bits // 8 if n % g == 0 else 'whole'} bytes, got {packed.shape[-1]}"
+        )
+    per_group = g * bits // 8
+    mask = jnp.uint8((1 << bits) - 1)
+    if per_group == 1:
+        shifts = jnp.arange(0, 8, bits, dtype=jnp.uint8)[:, None]
+        return jnp.right_shift(packed[..., None, :], shifts) & mask  # unsigned: logical
+    v = packed.reshape(*packed.shape[:-1], n // g, per_group)
+    out = [None] * g
+    for i, j, s in _overlaps(bits, g):
+        b = v[..., j]
+        piece = lax.shift_right_logical(b, jnp.uint8(s)) if s >= 0 else lax.shift_left(b, jnp.uint8(-s))
+        out[i] = piece if out[i] is None else out[i] | piece
+    return jnp.stack(out, axis=-2) & mask
