@@ -52,16 +52,11 @@ def peak_extra_mb(fn):
     return out, max(0, _rss_kb("VmHWM") - base) / 1024
 
 
-def timed(fn, repeats):
+def first_call(fn):
+    """(result, seconds) of one call; the first includes compilation."""
     t0 = time.perf_counter()
     out = fn()
-    first = time.perf_counter() - t0
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        ts.append(time.perf_counter() - t0)
-    return out, first, statistics.median(ts)
+    return out, time.perf_counter() - t0
 
 
 def cosine(a, b) -> float:
@@ -85,9 +80,9 @@ def main(argv=None):
     x = np.random.default_rng(0).standard_normal(shape, np.float32).astype(jnp.bfloat16)
     mb = x.nbytes / 1e6
 
-    rows = []
-    _, _, t_copy = timed(lambda: x.copy(), repeats)
-    rows.append(("memcpy", "-", x.nbytes, 1.0, t_copy, t_copy, 0.0, None, None))
+    def once(fn):
+        time.sleep(0.2)  # let the previous codec's worker threads go idle (torch's spin)
+        return first_call(fn)[1]
 
     ref = None
     if not args.no_reference:
@@ -99,35 +94,65 @@ def main(argv=None):
         except ImportError:
             print("reference plugin not installed: skipping it", file=sys.stderr)
 
+    # The machine is shared and its speed drifts by 2x within minutes, so every round
+    # times memcpy, ours and the reference back to back, and the ratios below are
+    # medians of per-round ratios (paired), not ratios of medians taken minutes apart.
+    rows, ratios, copies = [], {}, []
     for bits in args.bits:
-        blob, first_e, t_e = timed(lambda: tq_jax.dumps(x, bits=bits), repeats)
-        y, first_d, t_d = timed(lambda: tq_jax.loads(blob).block_until_ready(), repeats)
-        del y
+        blob, first_e = first_call(lambda: tq_jax.dumps(x, bits=bits))
+        y, first_d = first_call(lambda: tq_jax.loads(blob).block_until_ready())
+        run_ref = ref is not None and bits != 8
+        if run_ref:
+            torch, Ser, De = ref
+            xt = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+            ser, de = Ser(bits=bits), De()
+            rblob = ser.to_bytes(xt)
+            de.from_bytes(rblob)
+        t = {k: [] for k in ("copy", "enc", "dec", "ref_enc", "ref_dec")}
+        for _ in range(repeats):
+            t["copy"].append(once(lambda: x.copy()))
+            t["enc"].append(once(lambda: tq_jax.dumps(x, bits=bits)))
+            t["dec"].append(once(lambda: tq_jax.loads(blob).block_until_ready()))
+            if run_ref:
+                t["ref_enc"].append(once(lambda: ser.to_bytes(xt)))
+                t["ref_dec"].append(once(lambda: de.from_bytes(rblob)))
+        med = {k: statistics.median(v) for k, v in t.items() if v}
+        copies += t["copy"]
+        t_e, t_d = med["enc"], med["dec"]
         _, peak_enc = peak_extra_mb(lambda: tq_jax.dumps(x, bits=bits))
         y, peak_dec = peak_extra_mb(lambda: tq_jax.loads(blob).block_until_ready())
         rows.append(
             ("tq_jax", bits, len(blob), cosine(y, x), t_e, t_d, max(peak_enc, peak_dec), first_e - t_e, first_d - t_d)
         )
         del y
-        if ref is not None:
-            torch, Ser, De = ref
-            if bits == 8:
-                rows.append(("reference", bits, None, None, None, None, None, None, None))
-                continue
-            xt = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
-            ser, de = Ser(bits=bits), De()
-            rblob, _, rt_e = timed(lambda: ser.to_bytes(xt), max(3, repeats // 2))
-            _, _, rt_d = timed(lambda: de.from_bytes(rblob), max(3, repeats // 2))
+
+        def paired(a, b):
+            return statistics.median(p / q for p, q in zip(t[a], t[b]))
+
+        ratios[bits] = {
+            "enc_copy": paired("enc", "copy"),
+            "dec_copy": paired("dec", "copy"),
+            "enc_ref": paired("ref_enc", "enc") if run_ref else None,
+            "dec_ref": paired("ref_dec", "dec") if run_ref else None,
+        }
+        if ref is not None and bits == 8:
+            rows.append(("reference", bits, None, None, None, None, None, None, None))
+        elif run_ref:
             _, rpeak_e = peak_extra_mb(lambda: ser.to_bytes(xt))
             ry, rpeak_d = peak_extra_mb(lambda: de.from_bytes(rblob))
             rows.append(
-                ("reference", bits, len(rblob), cosine(ry.float().numpy(), x), rt_e, rt_d, max(rpeak_e, rpeak_d), None, None)
+                (
+                    "reference", bits, len(rblob), cosine(ry.float().numpy(), x),
+                    med["ref_enc"], med["ref_dec"], max(rpeak_e, rpeak_d), None, None,
+                )
             )
             del ry
+    t_copy = statistics.median(copies)
+    rows.insert(0, ("memcpy", "-", x.nbytes, 1.0, t_copy, t_copy, 0.0, None, None))
 
     lines = [
         f"W1 = {list(shape)} bfloat16 Gaussian, {mb:.1f} MB; jax {jax.__version__} on "
-        f"{jax.devices()[0].platform} ({jax.device_count()} device); median of {repeats} after warm-up.",
+        f"{jax.devices()[0].platform} ({jax.device_count()} device); median of {repeats} interleaved rounds after warm-up.",
         "",
         "| codec | bits | bytes | % of bf16 | cosine | encode ms | encode MB/s | decode ms | decode MB/s | "
         "peak extra MB | compile ms (enc/dec) |",
@@ -142,16 +167,16 @@ def main(argv=None):
             f"| {name} | {bits} | {nbytes:,} | {100 * nbytes / x.nbytes:.1f} | {cos:.4f} | {te * 1e3:.1f} | "
             f"{mb / te:.0f} | {td * 1e3:.1f} | {mb / td:.0f} | {peak:.0f} | {comp} |"
         )
-    # Side-by-side ratios measured in this run.
-    ours = {r[1]: r for r in rows if r[0] == "tq_jax"}
-    theirs = {r[1]: r for r in rows if r[0] == "reference" and r[2] is not None}
+    # Side-by-side ratios: medians of per-round ratios (see above).
     lines.append("")
-    lines.append("| bits | encode speed-up vs reference | decode speed-up vs reference | encode / memcpy | decode / memcpy |")
+    lines.append(
+        "| bits | encode speed-up vs reference | decode speed-up vs reference | encode / memcpy | decode / memcpy |"
+    )
     lines.append("|---|---|---|---|---|")
-    for bits, r in ours.items():
-        su_e = f"{theirs[bits][4] / r[4]:.1f}x" if bits in theirs else "-"
-        su_d = f"{theirs[bits][5] / r[5]:.1f}x" if bits in theirs else "-"
-        lines.append(f"| {bits} | {su_e} | {su_d} | {r[4] / t_copy:.1f}x | {r[5] / t_copy:.1f}x |")
+    for bits, r in ratios.items():
+        su_e = "-" if r["enc_ref"] is None else f"{r['enc_ref']:.1f}x"
+        su_d = "-" if r["dec_ref"] is None else f"{r['dec_ref']:.1f}x"
+        lines.append(f"| {bits} | {su_e} | {su_d} | {r['enc_copy']:.1f}x | {r['dec_copy']:.1f}x |")
     text = "\n".join(lines)
     print(text)
     if not args.quick:

@@ -7,7 +7,10 @@ Encode, per vector ``x`` of length ``d`` (computed in float32, as the reference 
 3. ``idx_j`` = the number of Lloyd–Max decision boundaries strictly below ``y_j``
    (:mod:`tq_jax.codebook`) — the nearest centroid, found by comparing against the
    boundaries, never by building a ``(…, d, 2**bits)`` distance tensor;
-4. indices are bit-packed per vector (:mod:`tq_jax.packing`).
+4. indices are bit-packed per vector (:mod:`tq_jax.packing`). When rows are
+   byte-aligned (``d * bits % 8 == 0``) the Haar rotation's rows are permuted once so
+   that step 2 emits the indices as *planes* (``packing.plane_order``), which pack
+   and unpack without interleaving — same bytes, fewer passes.
 
 Decode: ``x̂ = (c[idx] @ Q) · n``, cast to the requested dtype.
 
@@ -48,9 +51,9 @@ FLOAT_DTYPES = ("bfloat16", "float16", "float32")
 ROTATIONS = ("haar", "hadamard")
 _HADAMARD_FACTOR = 16  # the Hadamard part is applied as Kronecker factors of order <= 16
 
-# Widths up to this many bits quantize by summing comparisons against every
-# boundary (2**bits - 1 fused compares); wider codebooks use a uniform grid over
-# the boundary range that narrows each coordinate to one candidate boundary.
+# Widths up to this many bits quantize by a branch-free binary search over the
+# boundaries (``bits`` compares); wider codebooks use a uniform grid over the
+# boundary range that narrows each coordinate to one candidate boundary.
 _COMPARE_ALL_MAX_BITS = 4
 _GRID_CELLS_PER_LEVEL = 4
 
@@ -312,40 +315,42 @@ def unrotate(y, rotation: RotationOp):
     return _kron_apply(y, rotation.odd, transpose=True) * rotation.signs
 
 
-def _normalize_robust(xf):
-    """Norms and unit vectors, also for finite vectors whose squares overflow float32.
+def _scales_robust(xf, sq):
+    """Per-vector ``(norm, pre, inv)`` with ``u = (x * pre) * inv``, also for finite
+    vectors whose squares overflow float32.
 
     Such a vector (entries beyond ~1e19) would get an infinite norm and decode as NaN:
-    take its norm and direction from a copy scaled by 2**-96 (exact). The barrier
-    keeps XLA from folding the scale into the division, where 1/norm would be
-    subnormal and flushed to zero. Every other vector keeps the reference's plain
-    norm and direction, bit for bit.
+    its norm and direction come from a copy scaled by ``pre = 2**-96`` (exact). The
+    scale stays a separate factor — folded into ``inv`` it would be subnormal for the
+    largest norms and flushed to zero. Every other vector keeps ``pre = 1`` and the
+    reference's plain norm, bit for bit.
     """
-    sq = jnp.sum(xf * xf, axis=-1)
-    norms = jnp.sqrt(sq)
     big = jnp.isinf(sq) & jnp.all(jnp.isfinite(xf), axis=-1)
     small = jax.lax.optimization_barrier(xf * np.float32(2.0**-96))
     small_norms = jnp.sqrt(jnp.sum(small * small, axis=-1))
-    norms = jnp.where(big, small_norms * np.float32(2.0**96), norms)
-    u = jnp.where(big[..., None], small / small_norms[..., None], xf / (norms + NORM_EPS)[..., None])
-    return u, norms
+    norms = jnp.where(big, small_norms * np.float32(2.0**96), jnp.sqrt(sq))
+    pre = jnp.where(big, np.float32(2.0**-96), np.float32(1.0))
+    inv = 1.0 / jnp.where(big, small_norms, norms + NORM_EPS)
+    return norms, pre, inv
+
+
+def _scales_plain(xf, sq):
+    norms = jnp.sqrt(sq)
+    return norms, jnp.ones_like(norms), 1.0 / (norms + NORM_EPS)
 
 
 def _normalize(x):
     """``(x / (||x|| + eps), ||x||)`` in float32, as the reference computes them.
 
-    The common case is one reduction and one division; the robust variant above runs
-    only when some squared norm overflowed (``lax.cond``; under ``vmap`` both run and
-    a select picks, which is still correct).
+    The robust per-vector scales above are computed only when some squared norm
+    overflowed (``lax.cond`` on a scalar; under ``vmap`` both branches run and a
+    select picks, which is still correct). The cond returns per-vector factors only,
+    so the scaling itself fuses with whatever consumes ``u``.
     """
     xf = x.astype(jnp.float32)
     sq = jnp.sum(xf * xf, axis=-1)
-
-    def plain(xf):
-        norms = jnp.sqrt(sq)
-        return xf / (norms + NORM_EPS)[..., None], norms
-
-    return jax.lax.cond(jnp.any(jnp.isinf(sq)), _normalize_robust, plain, xf)
+    norms, pre, inv = jax.lax.cond(jnp.any(jnp.isinf(sq)), _scales_robust, _scales_plain, xf, sq)
+    return (xf * pre[..., None]) * inv[..., None], norms
 
 
 def _norms_and_rotate(x, rotation: RotationOp):
