@@ -95,9 +95,23 @@ def main(argv=None):
             print("reference plugin not installed: skipping it", file=sys.stderr)
 
     # The machine is shared and its speed drifts by 2x within minutes, so every round
-    # times memcpy, ours and the reference back to back, and the ratios below are
-    # medians of per-round ratios (paired), not ratios of medians taken minutes apart.
-    rows, ratios, copies = [], {}, []
+    # times memcpy, the GEMM floor, ours and the reference back to back, and the
+    # speed-ups below are medians of per-round ratios (paired), not ratios of medians
+    # taken minutes apart. Ratios to memcpy use its median over all rounds.
+    # The compute floor: the rotation alone, a float32 (n, 128) @ (128, 128) GEMM over
+    # W1 in tq_jax's blocks (XLA's CPU GEMM is at the FMA peak here), once per round.
+    gemm_blocks = [
+        jnp.asarray(np.random.default_rng(1).standard_normal((8192, shape[-1]), np.float32))
+        for _ in range(max(1, x.size // shape[-1] // 8192))
+    ]
+    rot = jnp.asarray(np.linalg.qr(np.random.default_rng(2).standard_normal((shape[-1],) * 2))[0], jnp.float32)
+    gemm = jax.jit(lambda a: jnp.matmul(a, rot, precision=jax.lax.Precision.HIGHEST))
+
+    def gemm_w1():
+        jax.block_until_ready([gemm(a) for a in gemm_blocks])
+
+    gemm_w1()
+    rows, ratios, copies, gemms = [], {}, [], []
     for bits in args.bits:
         blob, first_e = first_call(lambda: tq_jax.dumps(x, bits=bits))
         y, first_d = first_call(lambda: tq_jax.loads(blob).block_until_ready())
@@ -108,9 +122,10 @@ def main(argv=None):
             ser, de = Ser(bits=bits), De()
             rblob = ser.to_bytes(xt)
             de.from_bytes(rblob)
-        t = {k: [] for k in ("copy", "enc", "dec", "ref_enc", "ref_dec")}
+        t = {k: [] for k in ("copy", "gemm", "enc", "dec", "ref_enc", "ref_dec")}
         for _ in range(repeats):
             t["copy"].append(once(lambda: x.copy()))
+            t["gemm"].append(once(gemm_w1))
             t["enc"].append(once(lambda: tq_jax.dumps(x, bits=bits)))
             t["dec"].append(once(lambda: tq_jax.loads(blob).block_until_ready()))
             if run_ref:
@@ -118,6 +133,7 @@ def main(argv=None):
                 t["ref_dec"].append(once(lambda: de.from_bytes(rblob)))
         med = {k: statistics.median(v) for k, v in t.items() if v}
         copies += t["copy"]
+        gemms += t["gemm"]
         t_e, t_d = med["enc"], med["dec"]
         _, peak_enc = peak_extra_mb(lambda: tq_jax.dumps(x, bits=bits))
         y, peak_dec = peak_extra_mb(lambda: tq_jax.loads(blob).block_until_ready())
@@ -130,8 +146,11 @@ def main(argv=None):
             return statistics.median(p / q for p, q in zip(t[a], t[b]))
 
         ratios[bits] = {
-            "enc_copy": paired("enc", "copy"),
-            "dec_copy": paired("dec", "copy"),
+            "enc": med["enc"],
+            "dec": med["dec"],
+            "enc_gemm": paired("enc", "gemm"),
+            "dec_gemm": paired("dec", "gemm"),
+            "ref_dec_gemm": paired("ref_dec", "gemm") if run_ref else None,
             "enc_ref": paired("ref_enc", "enc") if run_ref else None,
             "dec_ref": paired("ref_dec", "dec") if run_ref else None,
         }
@@ -149,8 +168,13 @@ def main(argv=None):
             del ry
     t_copy = statistics.median(copies)
     rows.insert(0, ("memcpy", "-", x.nbytes, 1.0, t_copy, t_copy, 0.0, None, None))
+    t_gemm = statistics.median(gemms)
+    for r in ratios.values():  # memcpy is memory-bound and noisy per call: one median over all rounds
+        r["enc_copy"], r["dec_copy"] = r["enc"] / t_copy, r["dec"] / t_copy
 
     lines = [
+        "# tq_jax vs the reference on W1",
+        "",
         f"W1 = {list(shape)} bfloat16 Gaussian, {mb:.1f} MB; jax {jax.__version__} on "
         f"{jax.devices()[0].platform} ({jax.device_count()} device); median of {repeats} interleaved rounds after warm-up.",
         "",
@@ -168,15 +192,23 @@ def main(argv=None):
             f"{mb / te:.0f} | {td * 1e3:.1f} | {mb / td:.0f} | {peak:.0f} | {comp} |"
         )
     # Side-by-side ratios: medians of per-round ratios (see above).
-    lines.append("")
-    lines.append(
-        "| bits | encode speed-up vs reference | decode speed-up vs reference | encode / memcpy | decode / memcpy |"
-    )
-    lines.append("|---|---|---|---|---|")
+    lines += [
+        "",
+        f"Floors timed in the same rounds: memcpy of W1 {t_copy * 1e3:.1f} ms; the rotation alone (float32 "
+        f"GEMM, W1 in 8192-vector blocks) {t_gemm * 1e3:.1f} ms.",
+        "",
+        "| bits | encode speed-up vs reference | decode speed-up vs reference | encode / memcpy | decode / memcpy "
+        "| encode / GEMM | decode / GEMM | reference decode / GEMM |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for bits, r in ratios.items():
         su_e = "-" if r["enc_ref"] is None else f"{r['enc_ref']:.1f}x"
         su_d = "-" if r["dec_ref"] is None else f"{r['dec_ref']:.1f}x"
-        lines.append(f"| {bits} | {su_e} | {su_d} | {r['enc_copy']:.1f}x | {r['dec_copy']:.1f}x |")
+        rg = "-" if r["ref_dec_gemm"] is None else f"{r['ref_dec_gemm']:.1f}x"
+        lines.append(
+            f"| {bits} | {su_e} | {su_d} | {r['enc_copy']:.1f}x | {r['dec_copy']:.1f}x | {r['enc_gemm']:.1f}x "
+            f"| {r['dec_gemm']:.1f}x | {rg} |"
+        )
     text = "\n".join(lines)
     print(text)
     if not args.quick:
