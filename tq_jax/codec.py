@@ -301,8 +301,9 @@ def _kron_apply(v, odd, transpose: bool):
     With ``p >= 16`` this is ``(odd ⊗ H_(p/16)) ⊗ H_16``: the ``H_16`` part is one GEMM
     over contiguous groups of 16, and an outer factor of order ``n = d/16 <= 8`` is
     applied as ``n`` sums of ``n`` scaled slices, which XLA fuses into whatever reads
-    the result — no transposes, no second small GEMM (measured ~20 % faster at d = 128
-    than two GEMMs). Otherwise the factors are GEMMs along their axes.
+    the result — no transposes, no second small GEMM (measured at d = 128 against two
+    GEMMs: encode kernel 8 %, decode kernel 15 % faster). Otherwise the factors are
+    GEMMs along their axes.
     """
     d, m = v.shape[-1], odd.shape[0]
     p = d // m
@@ -349,7 +350,7 @@ def _scales_robust(xf, sq):
     its norm and direction come from a copy scaled by ``pre = 2**-96`` (exact). The
     scale stays a separate factor — folded into ``inv`` it would be subnormal for the
     largest norms and flushed to zero. Every other vector keeps ``pre = 1`` and the
-    reference's plain norm, bit for bit.
+    plain norm, exactly as :func:`_scales_plain` computes it.
     """
     big = jnp.isinf(sq) & jnp.all(jnp.isfinite(xf), axis=-1)
     small = jax.lax.optimization_barrier(xf * np.float32(2.0**-96))
