@@ -101,6 +101,16 @@ def with_crc(b: bytearray) -> bytes:
 # ----------------------------------------------------------------------------- oracles
 
 
+def traced_peak(fn):
+    """(fn(), peak bytes tracemalloc saw while it ran)."""
+    tracemalloc.start()
+    try:
+        out = fn()
+        return out, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 def table_allowance(h) -> int:
     """Bytes the decoder may spend building tables for header ``h`` (0 without vectors)."""
     if h.num_vectors == 0:
@@ -125,12 +135,7 @@ def check_blob(blob: bytes):
     assert wire.peek_header(blob) == p.header
     h = p.header
     bound = 3 * 32 * len(blob) + table_allowance(h) + 4 * MIB
-    tracemalloc.start()
-    try:
-        y = tq_jax.loads(blob)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    y, peak = traced_peak(lambda: tq_jax.loads(blob))
     assert tuple(y.shape) == h.shape and str(y.dtype) == h.dtype
     assert peak <= bound, (peak, bound, h)
     return y
@@ -393,17 +398,15 @@ def test_huge_claims_fail_before_any_allocation(name, blob, error):
     tq_jax.loads(_v1_blob((1, 8)))  # warm: imports and a compiled decode are not the claim's
     hwm_ok = _peak_rss_reset()
     rss0 = _vm_hwm_mib()
-    tracemalloc.start()
-    try:
+    def refuse():
         for fn in (wire.parse, tq_jax.loads):
             with pytest.raises(error):
                 fn(blob)
         if error is not wire.TruncatedError:  # the claim is in the header itself
             with pytest.raises(error):
                 wire.peek_header(blob)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+
+    _, peak = traced_peak(refuse)
     assert peak < 256 * 1024, peak  # no buffer sized by the claim
     if hwm_ok:
         assert _vm_hwm_mib() - rss0 < 32, (rss0, _vm_hwm_mib())
@@ -452,12 +455,7 @@ def test_regression_blob_without_vectors_builds_no_tables():
     # 1024x1024 Haar rotation (64 MiB traced; (0, 65536) would have asked ~270 GB).
     for blob in (_v1_blob((0, 1000), seed=99), _v1_header((0, 1000), use_qjl=1, m=64, seed=99)
                  + struct.pack("<q", 0) * 4):
-        tracemalloc.start()
-        try:
-            y = tq_jax.loads(blob)
-            _, peak = tracemalloc.get_traced_memory()
-        finally:
-            tracemalloc.stop()
+        y, peak = traced_peak(lambda: tq_jax.loads(blob))
         assert y.shape == (0, 1000) and peak < MIB, peak
 
 
