@@ -94,6 +94,21 @@ def test_row_kernels_equal_the_natural_order_pipeline(dim, bits, rotation):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=2e-5 * float(np.abs(want).max()))
 
 
+@pytest.mark.parametrize("dim,bits", [(16, 4), (32, 7), (112, 5), (128, 3), (128, 8)])
+def test_group_kernel_equals_the_natural_order_pipeline(dim, bits):
+    # The Hadamard group kernel (planes per 16-group, outer factor as sums) against
+    # encode_indices + pack, with two batch axes; each group fills 2*bits bytes.
+    t = codec.device_tables(tq_jax.CodecConfig(dim, bits, rotation="hadamard"))
+    assert codec._grouped(dim, t.rotation)
+    x = np.random.default_rng(dim + bits).standard_normal((3, 50, dim)).astype(np.float32)
+    idx, norms = codec.encode_indices(x, t.rotation, t.boundaries, t.grid)
+    groups, norms2 = codec.encode_groups(jnp.asarray(x), t, bits)
+    assert groups.shape == (3, 50, dim // 16, 2 * bits)
+    natural = np.asarray(packing.pack(idx, bits))
+    assert (np.asarray(groups).reshape(natural.shape) == natural).mean() >= 0.999  # ties may round apart
+    np.testing.assert_array_equal(np.asarray(norms2), np.asarray(norms))
+
+
 def test_zero_vectors_decode_to_exact_zeros():
     x = np.random.default_rng(1).standard_normal((4, 6, 64)).astype(np.float32)
     x[1, 2] = 0

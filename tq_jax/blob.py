@@ -99,7 +99,9 @@ _MAX_ENCODE_KERNELS = 64  # like the device-table cache: a writer cycling seeds 
 
 def _encode_kernel(cfg: _codec.CodecConfig, device):
     """The jit-compiled block encoder of one config on one device: (B, d) floats →
-    (bit stream of B*d indices, float32 norms (B,)).
+    (bit stream of B*d indices, float32 norms (B,)). The Hadamard group kernel returns
+    the stream as (B, d/16, 2*bits) bytes, which the host flattens for free: a reshape
+    inside the program would end XLA's last loop in a bitcast, which it runs slower.
 
     The tables are closed over rather than passed: XLA then sees them as constants
     and fuses the structured rotation far better (measured: hadamard encode 2.3x,
@@ -113,6 +115,8 @@ def _encode_kernel(cfg: _codec.CodecConfig, device):
         tabs = _codec.device_tables(cfg, device)
 
         def encode_block(x):
+            if _codec._grouped(cfg.dim, tabs.rotation):  # (B, n, 2*bits): the host flattens it
+                return _codec.encode_groups(x, tabs, cfg.bits)
             if _codec._planar(cfg.dim, cfg.bits):  # byte-aligned rows: the stream is the rows
                 packed, norms = _codec.encode_rows(x, tabs, cfg.bits)
                 return packed.reshape(-1), norms
@@ -265,7 +269,7 @@ def _encode_vectors(flat: np.ndarray, cfg: _codec.CodecConfig, block_vectors, de
     def collect():
         start, nb, (stream, nrm) = pending.popleft()
         used = nb * dim * bits
-        chunk = np.asarray(stream)[: (used + 7) // 8]
+        chunk = np.asarray(stream).reshape(-1)[: (used + 7) // 8]  # a view: kernels may return groups
         if used % 8:  # the last byte also holds padding rows' bits: TQ01 wants them zero
             chunk = chunk.copy()
             chunk[-1] &= (1 << (used % 8)) - 1
