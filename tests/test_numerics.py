@@ -64,6 +64,26 @@ def test_regression_finite_vectors_beyond_1e19_keep_finite_norms():
         assert np.isfinite(yb).all()
 
 
+@pytest.mark.parametrize("rotation", ["haar", "hadamard"])
+def test_a_huge_vector_leaves_its_neighbours_bytes_alone(rotation):
+    # One vector whose squares overflow sends its block down the rescaled path; the
+    # other vectors of that block must encode exactly as they do without it.
+    x = unit(16) * 3
+    big = x.copy()
+    big[5] *= np.float32(1e30)
+    opts = dict(bits=4, rotation=rotation, norm_dtype="float32")
+    plain, rescued = wire.parse(tq_jax.dumps(x, **opts)), wire.parse(tq_jax.dumps(big, **opts))
+    row = D * 4 // 8
+    a = np.asarray(plain.indices[0]).reshape(16, row)
+    b = np.asarray(rescued.indices[0]).reshape(16, row)
+    keep = np.arange(16) != 5
+    np.testing.assert_array_equal(a[keep], b[keep])
+    np.testing.assert_array_equal(plain.norms[0][keep], rescued.norms[0][keep])
+    assert np.isfinite(rescued.norms[0][5]) and rescued.norms[0][5] > 1e30
+    y = np.asarray(tq_jax.loads(tq_jax.dumps(big, **opts)))
+    assert cos(y[5], big[5]) > 0.98
+
+
 # ----------------------------------------------------------------------------- zeros
 
 
