@@ -109,6 +109,17 @@ def test_group_kernel_equals_the_natural_order_pipeline(dim, bits):
     np.testing.assert_array_equal(np.asarray(norms2), np.asarray(norms))
 
 
+@pytest.mark.parametrize("dim,bits,nc", [(16, 4, False), (80, 3, True), (128, 4, True), (128, 8, False)])
+def test_group_decode_is_decode_rows_bit_for_bit(dim, bits, nc):
+    t = codec.device_tables(tq_jax.CodecConfig(dim, bits, rotation="hadamard"))
+    x = np.random.default_rng(dim * bits).standard_normal((2, 40, dim)).astype(np.float32)
+    rows, norms = codec.encode_rows(jnp.asarray(x), t, bits)
+    want = np.asarray(codec.decode_rows(rows, norms, t, bits, jnp.bfloat16, nc))
+    got = np.asarray(codec.decode_groups(rows, norms, t, bits, jnp.bfloat16, nc))
+    assert got.shape == (2, 40, dim // 16, 16)
+    np.testing.assert_array_equal(got.reshape(want.shape).view(np.uint16), want.view(np.uint16))
+
+
 def test_zero_vectors_decode_to_exact_zeros():
     x = np.random.default_rng(1).standard_normal((4, 6, 64)).astype(np.float32)
     x[1, 2] = 0

@@ -146,6 +146,9 @@ def compiled_programs() -> int:
 @functools.partial(jax.jit, static_argnames=("bits", "dtype", "norm_correction"))
 def _decode_block(stream, norms, tabs, *, bits, dtype, norm_correction=False):
     n_vec, dim = norms.shape[0], _codec._dim_of(tabs.rotation)
+    if _codec._grouped(dim, tabs.rotation):  # (B, d/16, 16) out: the host flattens it
+        rows = stream.reshape(n_vec, dim * bits // 8)
+        return _codec.decode_groups(rows, norms, tabs, bits, dtype, norm_correction)
     if _codec._planar(dim, bits):  # byte-aligned rows
         rows = stream.reshape(n_vec, dim * bits // 8)
         return _codec.decode_rows(rows, norms, tabs, bits, dtype, norm_correction)
@@ -479,7 +482,7 @@ def _decode_vectors(stream, norms, out_flat, cfg, header, block_vectors, devices
 
     def collect():
         start, nb, res = pending.popleft()
-        out_flat[start : start + nb] = np.asarray(res)[:nb]
+        out_flat[start : start + nb] = np.asarray(res).reshape(-1, dim)[:nb]  # a view
 
     for i, start in enumerate(range(0, n_vec, block)):
         dev = devices[i % len(devices)]
