@@ -158,8 +158,9 @@ def test_norm_overflow_is_an_error_with_the_facts():
         tq_jax.dump_into(x, bytearray(tq_jax.serialized_size(x.shape, "float32", 4)), bits=4)
 
 
-def test_jit_parity_and_user_jit_vmap():
-    cfg = tq_jax.CodecConfig(64, 3, seed=9)
+@pytest.mark.parametrize("rotation", ["haar", "hadamard"])
+def test_jit_parity_and_user_jit_vmap(rotation):
+    cfg = tq_jax.CodecConfig(64, 3, seed=9, rotation=rotation)
     x = jnp.asarray(np.random.default_rng(4).standard_normal((3, 5, 64)), jnp.float32)
     t = codec.tables(cfg)
     # Un-jitted private implementation vs the jitted public function.

@@ -615,6 +615,9 @@ def encode(x: "Float[Array, '*batch dim']", config: CodecConfig) -> Encoded:
     Raises:
         ValueError: if the last axis is not ``config.dim`` or ``x`` is not floating.
 
+    Leading axes are batched natively, so there is no need to ``vmap`` this; under
+    ``vmap`` the Hadamard encoder runs both its paths (see :func:`encode_groups`).
+
     Examples:
         >>> import jax.numpy as jnp
         >>> cfg = CodecConfig(dim=64, bits=4)
