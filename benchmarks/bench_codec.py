@@ -100,9 +100,10 @@ def main(argv=None):
     # taken minutes apart. Ratios to memcpy are median / median over all rounds.
     # The compute floor: the rotation alone, a float32 (n, 128) @ (128, 128) GEMM over
     # W1 in tq_jax's blocks (XLA's CPU GEMM is at the FMA peak here), once per round.
+    block = tq_jax.blob._block_vectors(shape[-1], None, [None])  # the default device's
     gemm_blocks = [
-        jnp.asarray(np.random.default_rng(1).standard_normal((8192, shape[-1]), np.float32))
-        for _ in range(max(1, x.size // shape[-1] // 8192))
+        jnp.asarray(np.random.default_rng(1).standard_normal((block, shape[-1]), np.float32))
+        for _ in range(max(1, x.size // shape[-1] // block))
     ]
     rot = jnp.asarray(np.linalg.qr(np.random.default_rng(2).standard_normal((shape[-1],) * 2))[0], jnp.float32)
     gemm = jax.jit(lambda a: jnp.matmul(a, rot, precision=jax.lax.Precision.HIGHEST))
@@ -198,7 +199,7 @@ def main(argv=None):
     lines += [
         "",
         f"Floors timed in the same rounds: memcpy of W1 {t_copy * 1e3:.1f} ms (fastest {min(copies) * 1e3:.1f} ms); "
-        f"the rotation alone (float32 GEMM, W1 in 8192-vector blocks) {t_gemm * 1e3:.1f} ms. Speed-ups and "
+        f"the rotation alone (float32 GEMM, W1 in {block}-vector blocks) {t_gemm * 1e3:.1f} ms. Speed-ups and "
         f"/ GEMM are medians of per-round ratios; / memcpy is median / median over all rounds (memcpy into "
         f"a preallocated buffer).",
         "",

@@ -444,7 +444,21 @@ def decode_groups(packed, norms, tabs: _Tables, bits: int, dtype, norm_correctio
     z = jnp.matmul(c, h, precision=_HI)
     outer = _outer(tabs.rotation.odd, d // tabs.rotation.odd.shape[0])
     x_hat = _outer_sums(z, outer.T) * tabs.rotation.signs.reshape(n, _HADAMARD_FACTOR)
-    return (x_hat * norms.astype(jnp.float32)[..., None, None]).astype(dtype)
+    return _cast(x_hat * norms.astype(jnp.float32)[..., None, None], dtype)
+
+
+def _cast(v, dtype):
+    """``v.astype(dtype)`` for float32 ``v``; to bfloat16 by integer round-to-nearest-even
+    on the bits, which XLA's CPU backend runs faster than its own conversion (measured:
+    W1 decode ~0.9x the time). Same bits for every float32 XLA's CPU arithmetic yields:
+    NaN becomes the quiet NaN of its sign, ±inf and overflow go to ±inf, as in ``astype``
+    (subnormals never reach here: the backend flushes them to zero)."""
+    if jnp.dtype(dtype) != jnp.bfloat16:
+        return v.astype(dtype)
+    u = jax.lax.bitcast_convert_type(v, jnp.uint32)
+    r = (u + (jnp.uint32(0x7FFF) + ((u >> 16) & jnp.uint32(1)))) >> 16
+    r = jnp.where(v != v, ((u >> 16) & jnp.uint32(0x8000)) | jnp.uint32(0x7FC0), r)  # NaN: quiet, signed
+    return jax.lax.bitcast_convert_type(r.astype(jnp.uint16), jnp.bfloat16)
 
 
 def rotate(u, rotation: RotationOp):
@@ -527,7 +541,7 @@ def decode_indices(indices, norms, rotation: RotationOp, centroids, dtype, qjl=N
     if norm_correction:
         y_hat = y_hat * jax.lax.rsqrt(jnp.sum(y_hat * y_hat, axis=-1, keepdims=True))
     x_hat = unrotate(y_hat, rotation)
-    return (x_hat * norms.astype(jnp.float32)[..., None]).astype(dtype)
+    return _cast(x_hat * norms.astype(jnp.float32)[..., None], dtype)
 
 
 def encode_rows(x, tabs: _Tables, bits: int):
@@ -567,7 +581,7 @@ def decode_rows(packed, norms, tabs: _Tables, bits: int, dtype, norm_correction=
         x_hat = jnp.matmul(c.reshape(*batch, d), tabs.planar_dense, precision=_HI)
     else:
         x_hat = unrotate(jnp.swapaxes(c, -1, -2).reshape(*batch, d), tabs.rotation)
-    return (x_hat * norms.astype(jnp.float32)[..., None]).astype(dtype)
+    return _cast(x_hat * norms.astype(jnp.float32)[..., None], dtype)
 
 
 @functools.partial(jax.jit, static_argnames="bits")
