@@ -176,8 +176,8 @@ def _search_grid(boundaries: np.ndarray):
 
 @functools.lru_cache(maxsize=64)
 def _quantizer(dim: int, bits: int):
-    """``(codebook, grid)`` of ``(dim, bits)``: what the quantizer and the centroid
-    lookup need, independent of the seed (the group kernels embed them as constants)."""
+    """``(codebook, grid)`` of ``(dim, bits)``: the quantizer's tables, independent of
+    the seed (the group encoder embeds them as constants)."""
     cb = _codebook.lloyd_max(dim, bits)
     return cb, (_search_grid(cb.boundaries) if bits > _COMPARE_ALL_MAX_BITS else None)
 
@@ -381,7 +381,7 @@ def encode_groups(x, tabs: _Tables, bits: int):
     same up to float32 rounding: ~2e-6 of the indices land on the other side of a
     boundary). That saves a pass, and the shapes are the ones XLA's CPU backend
     vectorizes (measured: loops ending in a reshape, or comparing inner axes of 8
-    against a runtime-valued table, ran 5-30x slower). W1 encode: ~0.7x the time.
+    against a runtime-valued table, ran 5-30x slower). W1 encode: ~0.75x the time.
 
     1. the norms from ``x``, as :func:`_normalize` takes them (bit for bit);
     2. the signs, exact in ``x``'s dtype, then one GEMM per 16-group with
