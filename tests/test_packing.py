@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tq_jax.packing import pack, pack_planes, packed_nbytes, plane_count, plane_order, unpack, unpack_planes
+from tq_jax.packing import pack, pack_planes, packed_nbytes, plane_count, plane_order, unpack, unpack_groups, unpack_planes
 
 tqai_packing = pytest.importorskip("tqai.packing")
 
@@ -123,3 +123,17 @@ def test_planes_refuse_unaligned_rows():
         pack_planes(np.zeros((4, 3), np.uint8), 4)
     with pytest.raises(ValueError, match="unpack_planes"):
         unpack_planes(np.zeros((5,), np.uint8), 4, 12)
+
+
+def test_unpack_groups_is_unpack_in_natural_order():
+    # every width: 5 and 7 bits read two words per group, shifting lanes out of both
+    rng = np.random.default_rng(4)
+    for bits in range(1, 9):
+        g = plane_count(bits)
+        for n in sorted({g, 16, 8 * g, 128}):
+            idx = rng.integers(0, 2**bits, (3, 5, n)).astype(np.uint8)
+            got = np.asarray(unpack_groups(pack(idx, bits), bits, n))
+            assert got.shape == (3, 5, n // g, g)
+            np.testing.assert_array_equal(got.reshape(idx.shape), idx)
+    with pytest.raises(ValueError, match="whole"):
+        unpack_groups(np.zeros((2, 5), np.uint8), 3, 13)

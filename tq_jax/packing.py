@@ -35,7 +35,7 @@ import numpy as np
 if TYPE_CHECKING:  # annotations only; jaxtyping is not a runtime dependency
     from jaxtyping import Array, UInt8
 
-__all__ = ["pack", "unpack", "pack_planes", "unpack_planes", "plane_count", "packed_nbytes", "BITS_RANGE"]
+__all__ = ["pack", "unpack", "pack_planes", "unpack_planes", "unpack_groups", "plane_count", "packed_nbytes", "BITS_RANGE"]
 
 BITS_RANGE = range(1, 9)
 _GROUP = 8  # indices per group; a group packs into exactly `bits` bytes
@@ -254,3 +254,48 @@ def unpack_planes(packed: UInt8[Array, "*batch nbytes"], bits: int, n: int) -> U
         piece = lax.shift_right_logical(b, jnp.uint8(s)) if s >= 0 else lax.shift_left(b, jnp.uint8(-s))
         out[i] = piece if out[i] is None else out[i] | piece
     return jnp.stack(out, axis=-2) & mask
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "n"))
+def unpack_groups(packed: UInt8[Array, "*batch nbytes"], bits: int, n: int) -> UInt8[Array, "*batch m G"]:
+    """:func:`unpack` of byte-aligned rows, shaped ``(..., n/G, G)`` with
+    ``G = plane_count(bits)``: ``out[..., k, i]`` is index ``k*G + i`` (natural order).
+
+    Each group's ``G*bits/8`` bytes (1 to 7) are read as one or two little-endian
+    uint32 words, and lane ``i`` shifts its index out of them by a constant amount.
+    Shifts of 32 or more give 0 in XLA, which drops the word a lane does not
+    overlap. One element-wise loop, vectorized across the lanes; unlike the planes,
+    the output needs no transpose back to natural order.
+
+    Args:
+        packed: uint8 ``(..., n*bits/8)`` byte-aligned rows.
+        bits: width of one index, 1..8 (static).
+        n: indices per row (static), a multiple of ``plane_count(bits)``.
+
+    Returns:
+        uint32 ``(..., n/G, G)`` with values below ``2**bits``.
+    """
+    g = plane_count(bits)
+    packed = jnp.asarray(packed, jnp.uint8)
+    if n % g or packed.shape[-1] != n * bits // 8:
+        raise ValueError(
+            f"unpack_groups: rows of {n} indices of {bits} bits need n % {g} == 0 and "
+            f"{n * bits // 8 if n % g == 0 else 'whole'} bytes, got {packed.shape[-1]}"
+        )
+    per_group = g * bits // 8
+    v = packed.reshape(*packed.shape[:-1], n // g, per_group).astype(jnp.uint32)
+    starts = np.arange(g) * bits  # lane i's first bit in the group
+    out = None
+    for k in range(-(-per_group // 4)):
+        word = v[..., 4 * k]
+        for j in range(4 * k + 1, min(4 * k + 4, per_group)):
+            word = word | (v[..., j] << jnp.uint32(8 * (j - 4 * k)))
+        rel = starts - 32 * k  # the lane's first bit relative to this word
+        right = np.where((rel >= 0) & (rel < 32), rel, 32).astype(np.uint32)
+        left = np.where((rel < 0) & (rel > -32), -rel, 32).astype(np.uint32)
+        piece = word[..., None] >> jnp.asarray(right)  # unsigned: logical
+        if (left < 32).any():
+            piece = piece | (word[..., None] << jnp.asarray(left))
+        out = piece if out is None else out | piece
+    return out & jnp.uint32((1 << bits) - 1)
+
