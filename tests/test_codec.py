@@ -266,6 +266,18 @@ def test_bucket_sizes():
         assert b >= n and b % 8 == 0 and (b <= 16 or b <= 1.5 * n)
 
 
+@pytest.mark.parametrize("dim", [128, 80, 256])
+def test_hadamard_float32_norms_are_the_same_bits_in_any_block(dim):
+    # Hadamard norms are summed in a fixed order: XLA's CPU reduction gave 8- and
+    # 16-vector blocks norms one ulp away from 4096-vector ones, which float32 norms
+    # store. (Haar keeps XLA's reduction: see codec._squared_norms.) 256 runs the
+    # natural-order pipeline, the others the group kernel.
+    x = np.random.default_rng(3).standard_normal((203, dim)).astype(jnp.bfloat16)
+    one = tq_jax.dumps(x, bits=4, rotation="hadamard", norm_dtype="float32")
+    for block in (8, 16, 24, 1000):
+        assert tq_jax.dumps(x, bits=4, rotation="hadamard", norm_dtype="float32", block_vectors=block) == one
+
+
 @pytest.mark.parametrize("dim,bits", [(64, 3), (128, 4), (80, 2)])
 def test_hadamard_norm_correction_decodes_the_same_bits_in_any_block(dim, bits):
     # Norm correction sums squares in a fixed order: XLA's CPU reduction orders its

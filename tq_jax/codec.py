@@ -406,7 +406,7 @@ def encode_groups(x, tabs: _Tables, bits: int):
     Its other vectors come out byte for byte as without it.
     """
     xf = x.astype(jnp.float32)
-    sq = jnp.sum(xf * xf, axis=-1)
+    sq = _squared_norms(xf, True)
     norms = jnp.sqrt(sq)
     # the sign flip is exact in x's own dtype; done before the conversion it keeps the
     # GEMM operand from sharing `xf` with the norms (which XLA would then materialize)
@@ -527,7 +527,7 @@ def _scales_robust(xf, sq):
     """
     big = jnp.isinf(sq) & jnp.all(jnp.isfinite(xf), axis=-1)
     small = jax.lax.optimization_barrier(xf * np.float32(2.0**-96))
-    small_norms = jnp.sqrt(jnp.sum(small * small, axis=-1))
+    small_norms = jnp.sqrt(_sum_squares(small))
     norms = jnp.where(big, small_norms * np.float32(2.0**96), jnp.sqrt(sq))
     pre = jnp.where(big, np.float32(2.0**-96), np.float32(1.0))
     inv = 1.0 / jnp.where(big, small_norms, norms + NORM_EPS)
@@ -539,8 +539,19 @@ def _scales_plain(xf, sq):
     return norms, jnp.ones_like(norms), 1.0 / (norms + NORM_EPS)
 
 
-def _normalize(x):
-    """``(x / (||x|| + eps), ||x||)`` in float32, as the reference computes them.
+def _squared_norms(xf, fixed_order: bool):
+    """``sum(xf * xf, axis=-1)``: in :func:`_sum_squares`' fixed order for the Hadamard
+    rotation (the same bits in any block, and faster there), by XLA's reduction for
+    Haar, whose encode kernel ran 7-10 % slower with the fixed order (its GEMM operand
+    shares ``xf``). Haar's float32 norms can therefore differ in the last bit between
+    a block of 8 or 16 vectors and a full one; float16 norms hide that.
+    """
+    return _sum_squares(xf) if fixed_order else jnp.sum(xf * xf, axis=-1)
+
+
+def _normalize(x, fixed_order: bool):
+    """``(x / (||x|| + eps), ||x||)`` in float32, as the reference computes them
+    (the sum of squares as :func:`_squared_norms` orders it).
 
     The robust per-vector scales above are computed only when some squared norm
     overflowed (``lax.cond`` on a scalar; under ``vmap`` both branches run and a
@@ -548,13 +559,13 @@ def _normalize(x):
     so the scaling itself fuses with whatever consumes ``u``.
     """
     xf = x.astype(jnp.float32)
-    sq = jnp.sum(xf * xf, axis=-1)
+    sq = _squared_norms(xf, fixed_order)
     norms, pre, inv = jax.lax.cond(jnp.any(jnp.isinf(sq)), _scales_robust, _scales_plain, xf, sq)
     return (xf * pre[..., None]) * inv[..., None], norms
 
 
 def _norms_and_rotate(x, rotation: RotationOp):
-    u, norms = _normalize(x)
+    u, norms = _normalize(x, rotation.dense is None)
     return rotate(u, rotation), norms
 
 
@@ -598,7 +609,7 @@ def encode_rows(x, tabs: _Tables, bits: int):
         idx, norms = encode_indices(x, tabs.rotation, tabs.boundaries, tabs.grid)
         return _packing.pack(idx, bits), norms
     g = _packing.plane_count(bits)
-    u, norms = _normalize(x)
+    u, norms = _normalize(x, tabs.rotation.dense is None)
     if tabs.planar_dense is not None:
         y = jnp.matmul(u, tabs.planar_dense.T, precision=_HI).reshape(*u.shape[:-1], g, d // g)
     else:
