@@ -19,6 +19,7 @@ import statistics
 import time
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -151,14 +152,16 @@ def speed_table(rounds=7) -> list[str]:
     """
     w1 = np.random.default_rng(2).standard_normal((2, 32, 256, 8, 128), np.float32).astype(jnp.bfloat16)
     # numpy's large arrays are 16-byte aligned, so tq_jax stages each block through an
-    # aligned buffer; LMCache's L1 hands the bridge 64-byte-aligned memory, which XLA
-    # reads in place. Both inputs are timed.
+    # aligned buffer (a copy: XLA reads only 64-byte-aligned host memory in place);
+    # LMCache's L1 hands the bridge 64-byte-aligned memory, and a CPU jax.Array is
+    # aligned too. All three inputs are timed.
     aligned = tq_jax.blob._aligned_empty(w1.shape, w1.dtype)
     aligned[...] = w1
     settings = (
         ("4 bit haar (v1)", dict(bits=4), w1),
         ("4 bit hadamard", dict(bits=4, rotation="hadamard"), w1),
         ("4 bit hadamard, 64-byte-aligned input", dict(bits=4, rotation="hadamard"), aligned),
+        ("4 bit hadamard, jax.Array input", dict(bits=4, rotation="hadamard"), jax.device_put(w1)),
         ("K4V3 2+2 raw hadamard nc crc", dict(key_bits=4, value_bits=3, skip_first_layers=2, skip_last_layers=2,
                                              rotation="hadamard", norm_correction=True, checksum=True), w1),
     )
