@@ -33,7 +33,7 @@ from jax import lax
 import numpy as np
 
 if TYPE_CHECKING:  # annotations only; jaxtyping is not a runtime dependency
-    from jaxtyping import Array, UInt8
+    from jaxtyping import Array, UInt8, UInt32
 
 __all__ = ["pack", "unpack", "pack_planes", "unpack_planes", "unpack_groups", "plane_count", "packed_nbytes", "BITS_RANGE"]
 
@@ -223,6 +223,17 @@ def pack_planes(planes: UInt8[Array, "*batch G m"], bits: int) -> UInt8[Array, "
     return jnp.stack(out, axis=-1).reshape(*planes.shape[:-2], m * per_group)
 
 
+def _check_rows(fn: str, shape, bits: int, n: int) -> int:
+    """``plane_count(bits)`` once ``shape`` is checked to hold byte-aligned rows of ``n``."""
+    g = plane_count(bits)
+    if n % g or shape[-1] != n * bits // 8:
+        raise ValueError(
+            f"{fn}: rows of {n} indices of {bits} bits need n % {g} == 0 and "
+            f"{n * bits // 8 if n % g == 0 else 'whole'} bytes, got {shape[-1]}"
+        )
+    return g
+
+
 @functools.partial(jax.jit, static_argnames=("bits", "n"))
 def unpack_planes(packed: UInt8[Array, "*batch nbytes"], bits: int, n: int) -> UInt8[Array, "*batch G m"]:
     """Inverse of :func:`pack_planes`: the planes of the ``n`` indices in each row.
@@ -235,13 +246,8 @@ def unpack_planes(packed: UInt8[Array, "*batch nbytes"], bits: int, n: int) -> U
     Returns:
         uint8 ``(..., G, n/G)``.
     """
-    g = plane_count(bits)
     packed = jnp.asarray(packed, jnp.uint8)
-    if n % g or packed.shape[-1] != n * bits // 8:
-        raise ValueError(
-            f"unpack_planes: rows of {n} indices of {bits} bits need n % {g} == 0 and "
-            f"{n * bits // 8 if n % g == 0 else 'whole'} bytes, got {packed.shape[-1]}"
-        )
+    g = _check_rows("unpack_planes", packed.shape, bits, n)
     per_group = g * bits // 8
     mask = jnp.uint8((1 << bits) - 1)
     if per_group == 1:
@@ -257,7 +263,7 @@ def unpack_planes(packed: UInt8[Array, "*batch nbytes"], bits: int, n: int) -> U
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "n"))
-def unpack_groups(packed: UInt8[Array, "*batch nbytes"], bits: int, n: int) -> UInt8[Array, "*batch m G"]:
+def unpack_groups(packed: UInt8[Array, "*batch nbytes"], bits: int, n: int) -> UInt32[Array, "*batch m G"]:
     """:func:`unpack` of byte-aligned rows, shaped ``(..., n/G, G)`` with
     ``G = plane_count(bits)``: ``out[..., k, i]`` is index ``k*G + i`` (natural order).
 
@@ -275,13 +281,8 @@ def unpack_groups(packed: UInt8[Array, "*batch nbytes"], bits: int, n: int) -> U
     Returns:
         uint32 ``(..., n/G, G)`` with values below ``2**bits``.
     """
-    g = plane_count(bits)
     packed = jnp.asarray(packed, jnp.uint8)
-    if n % g or packed.shape[-1] != n * bits // 8:
-        raise ValueError(
-            f"unpack_groups: rows of {n} indices of {bits} bits need n % {g} == 0 and "
-            f"{n * bits // 8 if n % g == 0 else 'whole'} bytes, got {packed.shape[-1]}"
-        )
+    g = _check_rows("unpack_groups", packed.shape, bits, n)
     per_group = g * bits // 8
     v = packed.reshape(*packed.shape[:-1], n // g, per_group).astype(jnp.uint32)
     starts = np.arange(g) * bits  # lane i's first bit in the group
