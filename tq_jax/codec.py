@@ -222,14 +222,24 @@ def _to_arrays(t: _Tables, put) -> _Tables:
 
 
 def device_tables(config: CodecConfig, device=None) -> _Tables:
-    """``tables(config)`` as committed device arrays, transferred once per device."""
+    """``tables(config)`` as concrete device arrays, transferred once per device.
+
+    Safe to call while JAX traces a user's ``jit``/``vmap``/``shard_map``: the tables
+    come from numpy values and are placed eagerly (``jax.ensure_compile_time_eval``),
+    so the cache only ever holds concrete arrays, which a trace captures as constants.
+    Storing a tracer here would break every later trace and eager call with
+    ``UnexpectedTracerError``.
+    """
     key = (config.dim, config.bits, config.seed, config.rotation, device)
     with _device_lock:
         hit = _device_cache.get(key)
         if hit is not None:
             _device_cache.move_to_end(key)
             return hit
-    hit = _to_arrays(tables(config), functools.partial(jax.device_put, device=device))
+    with jax.ensure_compile_time_eval():
+        hit = _to_arrays(tables(config), functools.partial(jax.device_put, device=device))
+    if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(hit)):
+        raise AssertionError("tq_jax internal error: device tables were built as tracers")
     with _device_lock:
         hit = _device_cache.setdefault(key, hit)
         _device_cache.move_to_end(key)
