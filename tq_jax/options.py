@@ -20,6 +20,7 @@ __all__ = ["Options", "NORM_DTYPES", "ROTATIONS", "PRESETS"]
 
 NORM_DTYPES = ("auto", "float16", "float32")
 ROTATIONS = tuple(_wire.ROTATION_CODES)
+_BITS_WHY = "it sets the codebook size 2**bits."
 
 
 def _int(value, name: str, lo: int, hi: int, why: str) -> int:
@@ -64,9 +65,8 @@ class Options:
     checksum: bool = False
 
     def __post_init__(self):
-        why = "it sets the codebook size 2**bits."
-        object.__setattr__(self, "key_bits", _int(self.key_bits, "key_bits", 1, 8, why))
-        object.__setattr__(self, "value_bits", _int(self.value_bits, "value_bits", 1, 8, why))
+        object.__setattr__(self, "key_bits", _int(self.key_bits, "key_bits", 1, 8, _BITS_WHY))
+        object.__setattr__(self, "value_bits", _int(self.value_bits, "value_bits", 1, 8, _BITS_WHY))
         if not isinstance(self.seed, (int, np.integer)) or isinstance(self.seed, bool):
             raise ValueError(f"`seed` must be an int, got {self.seed!r}.")
         object.__setattr__(self, "seed", int(self.seed))
@@ -87,6 +87,8 @@ class Options:
     @classmethod
     def make(cls, bits=None, *, key_bits=None, value_bits=None, **kwargs) -> "Options":
         """Options from ``bits`` (both groups) and/or ``key_bits``/``value_bits``."""
+        if bits is not None and (key_bits is None or value_bits is None):  # named as the caller named it
+            bits = _int(bits, "bits", 1, 8, _BITS_WHY)
         kb = bits if key_bits is None else key_bits
         vb = bits if value_bits is None else value_bits
         if kb is None or vb is None:
