@@ -24,7 +24,8 @@ reshaped back on decode.
 
 Memory stays bounded by the chunk budget: inputs are memory-mapped one chunk at a time,
 outputs are written chunk by chunk to a temporary file that is renamed over OUT only
-once complete. The chunking depends only on the shapes and the budget, never on the
+once complete (:class:`safetensors_io.AtomicFile`: mode ``0o666`` less the umask, like
+any new file). The chunking depends only on the shapes and the budget, never on the
 devices or processes, so the output bytes do not either.
 """
 
@@ -36,7 +37,6 @@ import math
 import os
 import struct
 import sys
-import tempfile
 import time
 import zipfile
 from typing import Callable, Iterator, NamedTuple
@@ -286,6 +286,7 @@ class FilePlan(NamedTuple):
     metadata: dict
     tq: dict  # the tq_jax metadata document (compress: written; decompress: read)
     header_size: int | None = None  # compress: bytes reserved for the output's header
+    passed: tuple = ()  # compress --all: (name, why) of floating tensors TQ01 cannot encode
 
     def finalize(self, sizes: dict) -> tuple[list, dict]:
         """Output specs and metadata once the codec units' real sizes are known.
@@ -329,8 +330,9 @@ class CompressOptions(NamedTuple):
             fields (``key_bits``, ``value_bits``, ``seed``, ``rotation``, ...): what
             :func:`tq_jax.dumps` receives, recorded in the metadata.
         head_dim: vector length; tensors whose last axis is head_dim are compressed.
-        all: also compress floating tensors whose last axis is a multiple of head_dim
-            (and fail on any floating tensor where it is not).
+        all: also compress floating tensors whose last axis is a multiple of head_dim;
+            a floating tensor TQ01 cannot encode (its dtype, or a last axis head_dim
+            does not divide) passes through unchanged, recorded in ``FilePlan.passed``.
         exclude: glob patterns of tensor names to pass through unchanged.
         chunk_bytes: input bytes per blob at most (rounded to whole rows).
     """
@@ -397,12 +399,56 @@ def _wants_compression(info: st.TensorInfo, opts: CompressOptions) -> bool:
     return len(info.shape) >= 1 and info.shape[-1] == opts.head_dim
 
 
-def plan_compress(src: Source, out: str, opts: CompressOptions) -> FilePlan:
+def _cannot_encode(info: st.TensorInfo, head_dim: int) -> str | None:
+    """Why TQ01 cannot encode a floating tensor, or None when it can."""
+    if info.dtype not in TQ_DTYPES:
+        return f"dtype {info.dtype}; TQ01 encodes only {', '.join(TQ_DTYPES)}"
+    if not info.shape:
+        return "a scalar; TQ01 encodes vectors of head_dim values"
+    if info.shape[-1] % head_dim:
+        return f"last axis not a multiple of --head-dim {head_dim}"
+    return None
+
+
+EVERY_LAYER_RAW = (
+    "{where}: {opts} keep{s} the first {first} and last {last} layers raw, which covers all {layers} "
+    "layers (axis 1) of this KV tensor: nothing would be compressed and the output would be larger than "
+    "the input. {fix}or keep the tensor uncompressed with --exclude {name!r}."
+)
+
+
+def _check_some_layer_coded(where: str, name: str, shape: tuple, options: dict, preset: str | None) -> None:
+    """Refuse raw-layer counts that cover every layer of a KV tensor ``[2 or 1, layers, ...]``.
+
+    (More raw layers than the tensor has is the codec's error, raised when sizing it.)
+    """
+    first, last = options.get("skip_first_layers", 0), options.get("skip_last_layers", 0)
+    if not (first or last) or len(shape) < 3 or shape[0] not in (1, 2) or first + last != shape[1]:
+        return
+    flags = f"--skip-first-layers {first} --skip-last-layers {last}"
+    if preset:
+        what, fix = f"--preset {preset} ({flags})", (
+            "Override them (e.g. add --skip-first-layers 0 --skip-last-layers 0: flags win over a preset), "
+            "use a preset without raw layers (k8v4, compat-4bit), ")
+    else:
+        what, fix = flags, "Lower them, "
+    raise CliError(EVERY_LAYER_RAW.format(where=where, opts=what, s="s" if preset else "", first=first,
+                                          last=last, layers=shape[1], fix=fix, name=name))
+
+
+def plan_compress(src: Source, out: str, opts: CompressOptions, preset: str | None = None) -> FilePlan:
     """Decide, for every tensor of ``src``, how it is stored in ``out``.
 
+    Args:
+        src: the input.
+        out: the output path.
+        opts: what to compress and how.
+        preset: the ``--preset`` the options came from, if any (named in errors).
+
     Raises:
-        CliError: the file is already compressed, a chosen tensor has a dtype TQ01
-            cannot record, or head_dim does not divide its last axis.
+        CliError: the file is already compressed, a tensor chosen by its last axis has
+            a dtype TQ01 cannot record, the options do not fit a chosen tensor, or
+            raw-layer counts cover every layer of a KV tensor.
     """
     import tq_jax
 
@@ -411,23 +457,25 @@ def plan_compress(src: Source, out: str, opts: CompressOptions) -> FilePlan:
     hd = opts.head_dim
     entries = []
     tensors = {}
+    passed = []
     for info in src.tensors.values():
         if not _wants_compression(info, opts):
             entries.append(Entry(info.name, info.dtype, info.shape, _raw_units(info, opts.chunk_bytes)))
             continue
-        if info.dtype not in TQ_DTYPES:
-            raise CliError(
-                f"{src.path}: tensor {info.name!r} has dtype {info.dtype}, but TQ01 encodes only "
-                f"{', '.join(TQ_DTYPES)}: cast it first, or keep it uncompressed with --exclude {info.name!r}."
-            )
-        last = info.shape[-1] if info.shape else 1
-        if not info.shape or last % hd:
-            raise CliError(
-                f"{src.path}: tensor {info.name!r} has shape {list(info.shape)}, whose last axis "
-                f"({last}) head_dim {hd} does not divide: set --head-dim to the model's head size, "
-                f"or keep it uncompressed with --exclude {info.name!r}."
-            )
+        why = _cannot_encode(info, hd)
+        if why is not None:
+            if not opts.all:  # chosen because its last axis is head_dim: only its dtype can be wrong
+                raise CliError(
+                    f"{src.path}: tensor {info.name!r} has dtype {info.dtype}, but TQ01 encodes only "
+                    f"{', '.join(TQ_DTYPES)}: cast it first, or keep it uncompressed with --exclude {info.name!r}."
+                )
+            passed.append((info.name, why))  # --all takes what TQ01 can encode
+            entries.append(Entry(info.name, info.dtype, info.shape, _raw_units(info, opts.chunk_bytes)))
+            continue
+        last = info.shape[-1]
         bshape = info.shape if last == hd else info.shape[:-1] + (last // hd, hd)
+        _check_some_layer_coded(f"{src.path}: tensor {info.name!r} of shape {list(info.shape)}", info.name,
+                                bshape, dict(opts.options), preset)
         itemsize = info.np_dtype.itemsize
         units = []
         for s, e, cshape, kw in _encode_chunks(bshape, itemsize, opts.chunk_bytes, dict(opts.options)):
@@ -460,7 +508,8 @@ def plan_compress(src: Source, out: str, opts: CompressOptions) -> FilePlan:
     n_numbers = sum(len(t["blobs"]) for t in tensors.values()) + 3 * len(entries)
     planned = len(st.header_bytes(specs, metadata)[0])
     header_size = -(-(planned + 8 * n_numbers + 64) // 8) * 8
-    return FilePlan("compress", src.path, os.fspath(out), tuple(entries), metadata, tq, header_size)
+    return FilePlan("compress", src.path, os.fspath(out), tuple(entries), metadata, tq, header_size,
+                    tuple(passed))
 
 
 def _tq_json(doc: dict) -> str:
@@ -643,25 +692,24 @@ class _NpyWriter:
         if len(specs) != 1:
             raise CliError(f"{path}: a .npy file holds exactly one tensor, this output has {len(specs)}; write .safetensors or .npz.")
         self.path = os.fspath(path)
-        fd, self.tmp_path = tempfile.mkstemp(prefix=f".{os.path.basename(self.path)}.", suffix=".tmp",
-                                             dir=os.path.dirname(os.path.abspath(self.path)))
-        self._f = os.fdopen(fd, "wb")
         name, dtype, shape = specs[0]
-        _write_npy_header(self._f, dtype, shape, self.path)
+        self._atomic = st.AtomicFile(self.path)
+        self.tmp_path = self._atomic.tmp_path
+        self._f = self._atomic.file
+        try:
+            _write_npy_header(self._f, dtype, shape, self.path)
+        except BaseException:
+            self.abort()
+            raise
 
     def write(self, data):
         self._f.write(memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8)))
 
     def commit(self):
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
-        os.replace(self.tmp_path, self.path)
+        self._atomic.commit()
 
     def abort(self):
-        self._f.close()
-        if os.path.exists(self.tmp_path):
-            os.unlink(self.tmp_path)
+        self._atomic.abort()
 
 
 def _write_npy_header(f, dtype: str, shape, what):
@@ -682,10 +730,13 @@ class _NpzWriter:
         for name, dtype, _ in self.specs:
             if dtype in ("BF16", "F8_E4M3", "F8_E5M2"):
                 raise CliError(f"{path}: .npz cannot record dtype {dtype} (tensor {name!r}); write .safetensors instead.")
-        fd, self.tmp_path = tempfile.mkstemp(prefix=f".{os.path.basename(self.path)}.", suffix=".tmp",
-                                             dir=os.path.dirname(os.path.abspath(self.path)))
-        os.close(fd)
-        self._zip = zipfile.ZipFile(self.tmp_path, "w", zipfile.ZIP_STORED, allowZip64=True)
+        self._atomic = st.AtomicFile(self.path)
+        self.tmp_path = self._atomic.tmp_path
+        try:
+            self._zip = zipfile.ZipFile(self._atomic.file, "w", zipfile.ZIP_STORED, allowZip64=True)
+        except BaseException:
+            self._atomic.abort()
+            raise
         self._i = -1
         self._left = 0
         self._m = None
@@ -720,8 +771,8 @@ class _NpzWriter:
     def commit(self):
         if self._m is not None:
             raise ValueError("npz writer: output incomplete")
-        self._zip.close()
-        os.replace(self.tmp_path, self.path)
+        self._zip.close()  # writes the central directory; leaves the file open
+        self._atomic.commit()
 
     def abort(self):
         try:
@@ -730,8 +781,7 @@ class _NpzWriter:
             self._zip.close()
         except Exception:
             pass
-        if os.path.exists(self.tmp_path):
-            os.unlink(self.tmp_path)
+        self._atomic.abort()
 
 
 def open_writer(plan: FilePlan, specs=None, metadata=None):

@@ -26,7 +26,11 @@ has its own :class:`SafetensorsError` subclass (all ``ValueError``).
 the header, then accepts the tensors' bytes in order, in pieces of any size, into a
 temporary file in the destination's directory; only a complete file is renamed over
 the destination (``os.replace``), so a crash or an error never leaves a half-written
-file behind.
+file behind. The temporary file is created like ``open(path, "w")`` creates a file —
+mode ``0o666`` less the process umask — so the output gets the permissions ``cp`` would
+give it (a ``tempfile.mkstemp`` file would keep its private ``0o600`` through the
+rename). :class:`AtomicFile` is that mechanism on its own, shared with the numpy
+writers; :func:`remove_temp_files` lets a signal handler delete every unfinished one.
 """
 
 from __future__ import annotations
@@ -34,11 +38,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import struct
-import tempfile
+import threading
 from typing import Iterable, NamedTuple
 
-import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 __all__ = [
@@ -51,6 +56,8 @@ __all__ = [
     "InvalidDtypeError",
     "TensorSizeError",
     "InvalidOffsetsError",
+    "AtomicFile",
+    "remove_temp_files",
     "TensorInfo",
     "Header",
     "parse_header",
@@ -67,7 +74,7 @@ METADATA_KEY = "__metadata__"
 _U64 = struct.Struct("<Q")
 
 # safetensors dtype name -> numpy dtype (little-endian). bfloat16 and float8 come from
-# ml_dtypes through jax.numpy (jax depends on ml_dtypes; nothing else is needed).
+# ml_dtypes, jax's own dependency (the same dtype objects as jax.numpy's; no jax import).
 DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),
     "U8": np.dtype("<u1"),
@@ -79,12 +86,12 @@ DTYPES: dict[str, np.dtype] = {
     "U64": np.dtype("<u8"),
     "I64": np.dtype("<i8"),
     "F16": np.dtype("<f2"),
-    "BF16": np.dtype(jnp.bfloat16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
     "F32": np.dtype("<f4"),
     "F64": np.dtype("<f8"),
     "C64": np.dtype("<c8"),
-    "F8_E4M3": np.dtype(jnp.float8_e4m3fn),
-    "F8_E5M2": np.dtype(jnp.float8_e5m2),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
 }
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2")
 _NAMES_BY_DTYPE = {v: k for k, v in DTYPES.items()}
@@ -429,6 +436,93 @@ class SafetensorsReader:
 # --------------------------------------------------------------------------- writing
 
 
+# Temporary files of unfinished writers: their paths, for remove_temp_files.
+_PENDING: set[str] = set()
+_PENDING_LOCK = threading.RLock()
+
+
+class AtomicFile:
+    """A file that appears at ``path`` only once complete.
+
+    Bytes go to a temporary file in ``path``'s directory (``.<name>.<random>.tmp``),
+    created with mode ``0o666`` less the umask, as ``open(path, "wb")`` would create
+    ``path`` itself; :meth:`commit` flushes, fsyncs and renames it over ``path``
+    (``os.replace``), :meth:`abort` deletes it. Until one of them, its path is
+    registered for :func:`remove_temp_files`.
+
+    Attributes:
+        path: the destination.
+        tmp_path: the temporary file.
+        file: the temporary file, open for binary writing (seekable).
+    """
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        self.file = None
+        directory = os.path.dirname(os.path.abspath(self.path))
+        base = os.path.basename(self.path)
+        with _PENDING_LOCK:  # registered before it exists: remove_temp_files misses none
+            for _ in range(100):
+                tmp = os.path.join(directory, f".{base}.{secrets.token_hex(4)}.tmp")
+                try:
+                    # Mode 0o666: the kernel applies the umask, as to any new file.
+                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+                except FileExistsError:
+                    continue
+                break
+            else:
+                raise FileExistsError(f"{directory}: could not create a unique temporary file for {base}")
+            self.tmp_path = tmp
+            _PENDING.add(tmp)
+        try:
+            self.file = os.fdopen(fd, "wb")
+        except BaseException:
+            os.close(fd)
+            self.abort()
+            raise
+
+    def commit(self) -> None:
+        """Flush, fsync and rename the temporary file over ``path``."""
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        os.replace(self.tmp_path, self.path)
+        with _PENDING_LOCK:
+            _PENDING.discard(self.tmp_path)
+
+    def abort(self) -> None:
+        """Close and delete the temporary file; ``path`` is left as it was."""
+        try:
+            if self.file is not None:
+                self.file.close()
+        finally:
+            try:
+                os.unlink(self.tmp_path)
+            except FileNotFoundError:
+                pass
+            with _PENDING_LOCK:
+                _PENDING.discard(self.tmp_path)
+
+
+def remove_temp_files() -> list[str]:
+    """Delete the temporary file of every unfinished :class:`AtomicFile`; return their paths.
+
+    For a signal handler that ends the process right after (``os._exit``) without
+    unwinding the writers. The registry stays locked afterwards, so no writer can
+    start a new temporary file before the process ends: call it only then.
+    """
+    _PENDING_LOCK.acquire()  # never released: the caller exits
+    removed = []
+    for p in sorted(_PENDING):
+        try:
+            os.unlink(p)
+            removed.append(p)
+        except OSError:
+            pass
+    _PENDING.clear()
+    return removed
+
+
 class SafetensorsWriter:
     """Write a safetensors file tensor by tensor, atomically.
 
@@ -460,11 +554,9 @@ class SafetensorsWriter:
         self.resizable = header_size is not None
         self.total = self.infos[-1].end if self.infos else 0
         self.written = 0
-        directory = os.path.dirname(os.path.abspath(self.path))
-        fd, self.tmp_path = tempfile.mkstemp(
-            prefix=f".{os.path.basename(self.path)}.", suffix=".tmp", dir=directory
-        )
-        self._f = os.fdopen(fd, "wb")
+        self._atomic = AtomicFile(self.path)
+        self.tmp_path = self._atomic.tmp_path
+        self._f = self._atomic.file
         try:
             self._f.write(prefix)
         except BaseException:
@@ -497,22 +589,13 @@ class SafetensorsWriter:
                     self._f.write(prefix)
             if self.written != self.total:
                 raise ValueError(f"{self.written} buffer bytes were written but the header declares {self.total}; file not created")
-            self._f.flush()
-            os.fsync(self._f.fileno())
-            self._f.close()
-            os.replace(self.tmp_path, self.path)
+            self._atomic.commit()
         except BaseException:
             self.abort()
             raise
 
     def abort(self) -> None:
-        try:
-            self._f.close()
-        finally:
-            try:
-                os.unlink(self.tmp_path)
-            except FileNotFoundError:
-                pass
+        self._atomic.abort()
 
     def __enter__(self):
         return self
