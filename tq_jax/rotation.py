@@ -24,26 +24,33 @@ so a decoder must regenerate torch's CPU normal stream. :func:`torch_randn` does
    ``r = sqrt(-2 log1p(-u2))``, ``t = 2π u1``; the outputs are ``r cos t`` and (cached
    by the generator for the next draw) ``r sin t``, in double, rounded to float32.
 
-Step 2's float32 arithmetic depends on how torch was compiled for the CPU it runs on:
+Step 2's float32 arithmetic depends on which kernel torch dispatches to on the CPU it
+runs on (``torch.backends.cpu.get_cpu_capability()``, ``ATEN_CPU_CAPABILITY``):
 
-* ``kernel="avx2"`` (default): torch's AVX2 kernel (``CPU_CAPABILITY=AVX2``, the
-  common x86 case) evaluates ``log``, ``sin`` and ``cos`` with the Cephes polynomials of
-  ``avx_mathfun.h``, and GCC fuses its multiply-adds into FMAs. This module replays
-  those float32 operations one by one, FMAs included (emulated exactly through float64
-  with round-to-odd), and matches ``torch==2.13.0`` bit for bit (measured: every value
-  of ``d*d`` for d up to 576 and several seeds).
-* ``kernel="scalar"``: torch's portable kernel (``CPU_CAPABILITY=DEFAULT``, and AVX512
-  or ARM builds) calls glibc's ``logf``/``cosf``/``sinf``; we use correctly rounded
-  float64 values rounded to float32, which agree with glibc in ~98.5 % of values and
-  within 1 ulp (≤ 3.6e-7 absolute) otherwise.
+* ``kernel="avx2"`` (default): torch's AVX2 kernel, run for capability ``AVX2`` **and**
+  ``AVX512`` — torch 2.13.0 registers no AVX-512 ``normal_stub`` (its AVX-512 slot is
+  null, so the dispatcher falls back to AVX2; docs/interop.md). It evaluates ``log``,
+  ``sin`` and ``cos`` with the Cephes polynomials of ``avx_mathfun.h``, and GCC fuses
+  its multiply-adds into FMAs. This module replays those float32 operations one by one,
+  FMAs included (emulated exactly through float64 with round-to-odd), and matches
+  ``torch==2.13.0`` under AVX2 and AVX512 bit for bit (measured: every value of ``d*d``
+  for d up to 576 and several seeds; tests/test_rotation.py pins both).
+* ``kernel="scalar"``: torch's portable kernel (capability ``DEFAULT``: x86 without
+  AVX2+FMA, or ``ATEN_CPU_CAPABILITY=default``) calls glibc's ``logf``/``cosf``/``sinf``;
+  we use correctly rounded float64 values rounded to float32, which agree with glibc in
+  ~98.5 % of values and within 1 ulp (≤ 3.6e-7 absolute) otherwise.
 
-Either way the two flavours differ from each other by at most ~2e-6 per entry, and
-the rotation by about as much; TQ01 needs ~1e-5 for lossless interop.
+The two flavours differ from each other by at most 1.9e-6 per entry, and the rotation by
+about as much; TQ01 needs ~1e-5 for lossless interop. tq_jax's own rotation
+(:func:`haar_rotation`, hence everything it writes and reads) always uses
+``kernel="avx2"``, whatever the host.
 
 The QR is done in float64 by numpy (numpy's ``linalg`` always computes in double);
 torch's float32 QR (MKL ``sgeqrf``) differs from it by its own float32 rounding
 error: measured max |ΔQ| <= 1.6e-6 for d <= 192 and 3.4e-6 at d = 576 (a float64 torch
-QR of the same G gives our Q bit for bit).
+QR of the same G gives our Q bit for bit). The float64 QR's last bits vary with the
+BLAS kernel numpy's OpenBLAS picks for the CPU; rounded to float32 they did not
+(measured: four OpenBLAS kernels, d up to 576), so the rotation is the same on every host.
 """
 
 from __future__ import annotations
@@ -123,8 +130,8 @@ def _check_kernel(kernel: object) -> str:
     if kernel not in KERNELS:
         raise ValueError(
             f"`kernel` must be one of {KERNELS}, got {kernel!r}: it selects which of "
-            "torch's CPU randn kernels to replay ('avx2' for x86 AVX2 builds, 'scalar' "
-            "for DEFAULT/AVX512/ARM builds)."
+            "torch's CPU randn kernels to replay ('avx2' for torch running with CPU "
+            "capability AVX2 or AVX512, 'scalar' for DEFAULT)."
         )
     return kernel
 
@@ -281,8 +288,9 @@ def torch_randn(n: int, seed: int, *, kernel: str = "avx2") -> np.ndarray:
         seed: any Python int; only its low 32 bits (two's complement) matter, as for
             ``torch.Generator.manual_seed`` (which itself accepts
             ``[-2**63, 2**64)`` and raises outside).
-        kernel: ``"avx2"`` replays torch's x86 AVX2 kernel bit for bit; ``"scalar"``
-            approximates its portable kernel (DEFAULT/AVX512/ARM builds) to 1 ulp.
+        kernel: ``"avx2"`` replays torch's x86 AVX2 kernel (capability AVX2 or
+            AVX512) bit for bit; ``"scalar"`` approximates its portable kernel
+            (capability DEFAULT) to 1 ulp.
             Ignored for ``n < 16`` (one double-precision path everywhere).
 
     Returns:
@@ -313,7 +321,8 @@ def _readonly(a: np.ndarray) -> np.ndarray:
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
 def _haar_rotation(dim: int, seed32: int) -> np.ndarray:
-    g = torch_randn(dim * dim, seed32).reshape(dim, dim).astype(np.float64)
+    # kernel="avx2" unconditionally: the rotation tq_jax writes must not depend on the host
+    g = torch_randn(dim * dim, seed32, kernel="avx2").reshape(dim, dim).astype(np.float64)
     q, r = np.linalg.qr(g)
     # sign(diag(R)) column fix; a zero pivot (probability 0) keeps its column as is
     # where torch.sign would zero it.
