@@ -6,10 +6,19 @@ Modules:
     :mod:`~tq_jax.bridge.registry`: option table and ``register``.
     :mod:`~tq_jax.bridge.launch`: ``python -m tq_jax.bridge.launch server ...``.
     :mod:`~tq_jax.bridge.plugin`: the ``plugin`` L2 adapter loader (config-only).
+    :mod:`~tq_jax.bridge.smoke`: ``python -m tq_jax.bridge.smoke --l2-adapter JSON``.
 
 ``tq_jax.bridge.register(name="tq_jax")`` is :func:`tq_jax.bridge.registry.register`.
+It is imported on first use, so that ``python -m tq_jax.bridge.launch --help`` (which
+imports this package first) answers without loading torch and LMCache.
 """
 
-from tq_jax.bridge.registry import register as register
-
 __all__ = ("register",)
+
+
+def __getattr__(name: str):
+    if name == "register":
+        from tq_jax.bridge.registry import register
+
+        return register
+    raise AttributeError(f"module 'tq_jax.bridge' has no attribute {name!r}")

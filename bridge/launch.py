@@ -5,15 +5,20 @@ plugin discovery for them, so the type must be registered in the process that bu
 it, before it is built. ``lmcache server`` builds it in-process (uvicorn's lifespan), so
 wrapping LMCache's CLI is enough::
 
-    python -m tq_jax.bridge.launch server --l1-size-gb 20 --eviction-policy LRU \\
+    python -m tq_jax.bridge.launch server --l1-size-gb 2 --eviction-policy LRU \\
         --l2-adapter '{"type": "fs", "base_path": "/cache",
                        "serde": {"type": "tq_jax", "bits": 4}}'
 
-Every argument is LMCache's: the launcher adds none and changes none. To run another
-LMCache entry module instead of the ``lmcache`` CLI, put ``-m MODULE`` first; the module
-runs as ``__main__`` with the remaining arguments, as ``python -m MODULE`` would::
+Every argument is LMCache's: the launcher changes none. To run another LMCache entry
+module instead of the ``lmcache`` CLI, put ``-m MODULE`` first; the module runs as
+``__main__`` with the remaining arguments, as ``python -m MODULE`` would::
 
-    python -m tq_jax.bridge.launch -m lmcache.v1.multiprocess.server --l1-size-gb 20 ...
+    python -m tq_jax.bridge.launch -m lmcache.v1.multiprocess.server --l1-size-gb 2 ...
+
+The launcher's own options come before all of those: ``-h``/``--help`` prints its usage
+without loading torch or LMCache; ``-v``/``--verbose`` keeps the INFO lines and warnings
+LMCache prints while it is imported (hidden by default, see :mod:`tq_jax.bridge.logs`).
+When LMCache builds the serde, the bridge logs one INFO line saying so.
 
 A process that LMCache (or anything else) *spawns* does not inherit the registration;
 for those, use the config-only loader in :mod:`tq_jax.bridge.plugin`.
@@ -25,17 +30,25 @@ import runpy
 import sys
 from collections.abc import Sequence
 
-from tq_jax.bridge.registry import register
+from tq_jax.bridge import logs
 
-__all__ = ["main"]
+__all__ = ["USAGE", "main"]
 
-USAGE = (
-    "usage: python -m tq_jax.bridge.launch <lmcache CLI arguments>\n"
-    "       python -m tq_jax.bridge.launch -m MODULE [arguments]\n"
-    "Registers the tq_jax serde (type 'tq_jax', alias 'tqai' when free), then runs\n"
-    "`lmcache <arguments>` (e.g. `server --l2-adapter ...`) or `python -m MODULE` in\n"
-    "this process."
-)
+USAGE = """\
+usage: python -m tq_jax.bridge.launch [-v] <lmcache CLI arguments>
+       python -m tq_jax.bridge.launch [-v] -m MODULE [arguments]
+
+Registers the tq_jax serde (type 'tq_jax', alias 'tqai' when free), then runs
+`lmcache <arguments>` (e.g. `server --l2-adapter ...`) or `python -m MODULE` in
+this process. See LMCache's arguments with `python -m tq_jax.bridge.launch server --help`.
+
+options (before the LMCache arguments):
+  -h, --help     show this message and exit
+  -v, --verbose  show LMCache's import-time INFO lines, banner and warnings (hidden
+                 unless LMCACHE_LOG_LEVEL is set)"""
+
+_HELP = ("-h", "--help")
+_VERBOSE = ("-v", "--verbose")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -43,15 +56,34 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     Args:
         argv: the arguments after the program name (default: ``sys.argv[1:]``).
+
+    Raises:
+        SystemExit: no arguments, or ``-m`` without a module (status 2, with the usage).
     """
     args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] in (["-h"], ["--help"]) and len(args) == 1:
-        print(USAGE)
+    verbose = False
+    while args[:1] and args[0] in _VERBOSE:
+        verbose, args = True, args[1:]
+    if args[:1] and args[0] in _HELP:
+        print(USAGE)  # before importing anything heavy: no torch, no LMCache
         return
-    register()
-    if args[:1] == ["-m"]:
-        if len(args) < 2:
-            raise SystemExit(USAGE)
+    if not args or args == ["-m"]:
+        print(USAGE, file=sys.stderr)
+        raise SystemExit(2)
+    logs.show_bridge_logs()
+    wants_help = any(a in _HELP for a in args)  # LMCache's own --help: keep it quiet throughout
+    with logs.quiet_lmcache(verbose, restore=not wants_help):
+        from tq_jax.bridge.registry import register
+
+        register()
+        if wants_help:
+            _run(args)
+            return
+    _run(args)
+
+
+def _run(args: list[str]) -> None:
+    if args[0] == "-m":
         module, rest = args[1], args[2:]
         sys.argv = [module, *rest]
         runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -31,11 +31,13 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase, get_l2_adapter_config_class
 from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_registry
 
+from tq_jax.bridge import logs
 from tq_jax.bridge.registry import register
 
 __all__ = ["L2Adapter", "build_inner_adapter"]
 
 register()  # the point of importing this module: before LMCache builds the serde
+logs.show_bridge_logs()  # so that the serde's "created" line reaches the server's log
 
 _OUTER_ONLY = ("serde", "eviction")
 

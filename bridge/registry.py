@@ -42,6 +42,7 @@ __all__ = [
     "WIRE_VERSION",
     "Option",
     "SerdeOptions",
+    "created_message",
     "make_serde_processor",
     "parse_options",
     "register",
@@ -237,10 +238,44 @@ def make_serde_processor(kwargs: Mapping[str, object]) -> AsyncSerdeProcessor:
     """
     o = parse_options(kwargs)
     device = _serde.resolve_device(o.device)
-    return AsyncSerdeProcessor(
-        _serde.TQJaxSerializer(head_dim=o.head_dim, bits=o.bits, seed=o.seed, device=device, **o.codec_options()),
-        _serde.TQJaxDeserializer(device=device),
-        max_workers=o.max_workers,
+    serializer = _serde.TQJaxSerializer(head_dim=o.head_dim, bits=o.bits, seed=o.seed, device=device, **o.codec_options())
+    proc = AsyncSerdeProcessor(serializer, _serde.TQJaxDeserializer(device=device), max_workers=o.max_workers)
+    logger.info("%s", created_message(o, serializer.options, device))
+    return proc
+
+
+def created_message(o: SerdeOptions, options: tq_jax.Options, device) -> str:
+    """The INFO line logged each time LMCache builds the serde: classes, the TQ01
+    version written, and every effective option (a preset expanded, bits per K/V group).
+
+    Examples:
+        >>> o = parse_options({})
+        >>> created_message(o, tq_jax.Options.make(4, norm_dtype="float16"), "cpu:0")[:64]
+        'tq_jax serde created: TQJaxSerializer/TQJaxDeserializer writing '
+    """
+    version = 1 if options.v1_expressible else 2
+    readers = "tq_jax and the reference plugin read it" if version == 1 else "tq_jax reads it, the reference plugin cannot"
+    names = registered_names()
+    where = device if isinstance(device, str) else f"{device.platform}:{device.id}"
+    fields = {
+        "head_dim": o.head_dim,
+        "key_bits": options.key_bits,
+        "value_bits": options.value_bits,
+        "seed": options.seed,
+        "rotation": options.rotation,
+        "norm_dtype": options.norm_dtype,
+        "norm_correction": options.norm_correction,
+        "checksum": options.checksum,
+        "skip_first_layers": options.skip_first_layers,
+        "skip_last_layers": options.skip_last_layers,
+        "preset": o.preset,
+        "max_workers": o.max_workers,
+        "device": where,
+    }
+    return (
+        f"tq_jax serde created: TQJaxSerializer/TQJaxDeserializer writing TQ01 v{version} ({readers}); "
+        f"registered as {', '.join(map(repr, names)) or '(not registered)'}; "
+        + " ".join(f"{k}={v}" for k, v in fields.items())
     )
 
 

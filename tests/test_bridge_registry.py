@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import importlib
 import json
+import logging
 import os
 import pathlib
 import signal
@@ -202,6 +203,49 @@ def test_factory_builds_with_max_workers():
         proc.close()
 
 
+# ----------------------------------------------------------------------------- creation log
+
+
+def _created_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "tq_jax.bridge.registry" and r.levelno == logging.INFO]
+
+
+def test_each_creation_logs_one_info_line(caplog):
+    register()
+    caplog.set_level(logging.INFO, logger="tq_jax.bridge.registry")
+    for n in (1, 2):
+        proc = create_serde_processor(SerdeConfig("tq_jax", {"bits": 3, "head_dim": 64}))
+        proc.close()
+        lines = _created_lines(caplog)
+        assert len(lines) == n
+    line = lines[-1]
+    assert line.startswith("tq_jax serde created: TQJaxSerializer/TQJaxDeserializer writing TQ01 v1 ")
+    assert "registered as 'tq_jax', 'tqai'" in line
+    for field in ("head_dim=64", "key_bits=3", "value_bits=3", "seed=42", "rotation=haar",
+                  "norm_dtype=float16", "checksum=False", "max_workers=1", "device=cpu:0"):
+        assert f" {field}" in line, field
+
+
+def test_creation_line_shows_effective_v2_options(caplog):
+    register()
+    caplog.set_level(logging.INFO, logger="tq_jax.bridge.registry")
+    proc = create_serde_processor(SerdeConfig("tqai", {"preset": "k4v3-edges", "value_bits": 2}))
+    proc.close()
+    (line,) = _created_lines(caplog)
+    assert "writing TQ01 v2 (tq_jax reads it, the reference plugin cannot)" in line
+    # The preset expanded, the explicit key over it.
+    for field in ("key_bits=4", "value_bits=2", "skip_first_layers=2", "skip_last_layers=2", "rotation=hadamard",
+                  "norm_dtype=float32", "norm_correction=True", "checksum=True", "preset=k4v3-edges"):
+        assert f" {field}" in line, field
+
+
+def test_refused_options_log_no_creation_line(caplog):
+    caplog.set_level(logging.INFO, logger="tq_jax.bridge.registry")
+    with pytest.raises(ValueError):
+        reg_mod.make_serde_processor({"bits": 9})
+    assert _created_lines(caplog) == []
+
+
 # ----------------------------------------------------------------------------- plugin loader
 
 
@@ -309,3 +353,67 @@ def test_launcher_starts_lmcache_server_with_tq_jax_serde(tmp_path):
     log = "".join(lines)
     assert "Unknown serde type" not in log
     assert "Application startup complete" in log, log[-3000:]
+    assert log.count("tq_jax INFO: tq_jax serde created: ") == 1, log[-3000:]  # the operator sees it
+
+
+def _quiet_env():
+    env = _env()
+    for name in ("LMCACHE_LOG_LEVEL", "LMCACHE_DISABLE_BANNER"):
+        env.pop(name, None)
+    return env
+
+
+def test_launcher_help_is_plain_and_loads_neither_torch_nor_lmcache():
+    r = subprocess.run([sys.executable, "-m", "tq_jax.bridge.launch", "--help"], env=_quiet_env(),
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage: python -m tq_jax.bridge.launch [-v]")
+    assert "INFO:" not in r.stdout + r.stderr and "\x1b" not in r.stdout + r.stderr  # no log lines, no colour
+    probe = (
+        "import runpy, sys; sys.argv = ['launch', '--help']; "
+        "runpy.run_module('tq_jax.bridge.launch', run_name='__main__'); "
+        "print('LOADED', sorted(m for m in ('torch', 'lmcache') if m in sys.modules))"
+    )
+    r = subprocess.run([sys.executable, "-c", probe], env=_quiet_env(), capture_output=True, text=True, timeout=120)
+    assert "LOADED []" in r.stdout, r.stdout + r.stderr
+    r = subprocess.run([sys.executable, "-m", "tq_jax.bridge.launch"], env=_quiet_env(),
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 2 and r.stderr.startswith("usage: python -m tq_jax.bridge.launch")
+
+
+def test_lmcache_help_through_the_launcher_is_quiet():
+    r = subprocess.run([sys.executable, "-m", "tq_jax.bridge.launch", "server", "--help"], env=_quiet_env(),
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "usage: lmcache server" in r.stdout
+    both = r.stdout + r.stderr
+    for noise in ("LMCache INFO", "\x1b[", "FutureWarning", "Set LMCACHE_DISABLE_BANNER"):
+        assert noise not in both, noise
+
+
+def test_quiet_lmcache_levels(monkeypatch):
+    """Loggers LMCache creates inside log WARNING+, INFO again after (a server's log is
+    untouched); -v or an explicit LMCACHE_LOG_LEVEL leaves them alone; restore=False
+    (help) keeps them quiet."""
+    from lmcache.logging import init_logger
+
+    from tq_jax.bridge import logs
+
+    for name in ("LMCACHE_LOG_LEVEL", "LMCACHE_DISABLE_BANNER"):
+        monkeypatch.setenv(name, "x")  # recorded, so monkeypatch restores the real state
+        monkeypatch.delenv(name)
+    with logs.quiet_lmcache():
+        lg = init_logger("lmcache.tq_jax_test.quiet")
+        assert lg.level == logging.WARNING and {h.level for h in lg.handlers} == {logging.WARNING}
+        assert os.environ["LMCACHE_DISABLE_BANNER"] == "1"
+    assert lg.level == logging.INFO and {h.level for h in lg.handlers} == {logging.INFO}
+    assert "LMCACHE_LOG_LEVEL" not in os.environ and "LMCACHE_DISABLE_BANNER" not in os.environ
+    with logs.quiet_lmcache(verbose=True):
+        assert init_logger("lmcache.tq_jax_test.verbose").level == logging.INFO
+    monkeypatch.setenv("LMCACHE_LOG_LEVEL", "DEBUG")
+    with logs.quiet_lmcache():
+        assert init_logger("lmcache.tq_jax_test.user").level == logging.DEBUG
+    monkeypatch.delenv("LMCACHE_LOG_LEVEL")
+    with logs.quiet_lmcache(restore=False):
+        lg = init_logger("lmcache.tq_jax_test.help")
+    assert lg.level == logging.WARNING and os.environ["LMCACHE_DISABLE_BANNER"] == "1"
