@@ -283,9 +283,7 @@ def test_error_exits(tmp_path, infile, capsys):
     _fails(capsys, "compress", tmp_path / "junk.safetensors", out, match="not a valid safetensors file")
     (tmp_path / "short.safetensors").write_bytes(infile.read_bytes()[:-10])
     _fails(capsys, "compress", tmp_path / "short.safetensors", out, match="not a valid safetensors file")
-    _fails(capsys, "compress", infile, out, "--all", match="dtype F64")  # wrong dtype
-    _fails(capsys, "compress", infile, out, "--all", "--exclude", "f64", "--head-dim", 96,
-           match="head_dim 96 does not divide")
+    # (--all passes a dtype or last axis TQ01 cannot encode through: test_cli_rough_edges.py)
     _fails(capsys, "decompress", infile, out, match="not a tq-jax compressed file")
     _fails(capsys, "compress", infile, tmp_path / "nodir" / "o.safetensors", match="does not exist")
     _fails(capsys, "inspect", tmp_path, match="is a directory")

@@ -2,29 +2,51 @@
 
 Usage::
 
-    tq-jax bench [--quick] [--out-dir DIR]
+    tq-jax bench [--quick] [--out-dir DIR] [-v]
     tq-jax compress IN [IN ...] OUT [--bits 4] [--seed 42] [--head-dim 128] [--all] ...
     tq-jax decompress IN [IN ...] OUT
     tq-jax inspect FILE [--json] [-v]
 
 Errors a person can fix (missing or corrupt file, wrong dtype, head_dim that does not
 divide, ...) end with one line on stderr and exit status 1; usage errors exit 2.
+Ctrl-C (SIGINT) or SIGTERM ends a command at once with one line on stderr and exit
+status 130 or 143, leaving no partial output (see :class:`_Interrupts`).
 See docs/cli.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
+import logging
 import math
 import os
+import signal
 import sys
+import threading
 import time
 import types
 
-from tq_jax import batch as _batch
-from tq_jax import safetensors_io as _st
 
+
+class _OnFirstUse:
+    """A module imported when an attribute is first read from it.
+
+    The command's own modules pull in numpy, ml_dtypes and jax (seconds), so they load
+    only once :func:`main` has installed its signal handlers.
+    """
+
+    def __init__(self, name: str):
+        self._module_name = name
+
+    def __getattr__(self, attr):
+        return getattr(importlib.import_module(self._module_name), attr)
+
+
+_batch = _OnFirstUse("tq_jax.batch")
+_st = _OnFirstUse("tq_jax.safetensors_io")
 __all__ = ["main", "build_parser"]
 
 PROG = "tq-jax"
@@ -34,6 +56,126 @@ BITS = tuple(range(1, 9))
 def _error(msg: str) -> int:
     print(f"{PROG}: error: {' '.join(str(msg).split())}", file=sys.stderr)
     return 1
+
+
+# --------------------------------------------------------------------------- signals
+
+
+class _Interrupts:
+    """While a command runs, SIGINT and SIGTERM end the process at once, cleanly.
+
+    On either signal: delete the temporary file of every unfinished output
+    (:func:`safetensors_io.remove_temp_files`) and run the registered cleanups, print
+    one line on stderr, and end with ``os._exit(128 + signum)`` — 130 for Ctrl-C, 143
+    for SIGTERM. No exception unwinds and the interpreter is not torn down: a
+    ``KeyboardInterrupt`` can be swallowed (raised inside a garbage-collector callback
+    such as JAX's it is only printed as "Exception ignored"), and tearing the
+    interpreter down while XLA's threads still run could crash (SIGSEGV).
+
+    Python runs a signal handler only between bytecodes of the main thread, which can
+    sit in one XLA call for seconds, so the Python-level handler does nothing and a
+    watcher thread does the work, woken through :func:`signal.set_wakeup_fd` (written
+    by the C-level handler the moment the signal arrives).
+
+    Installed only from the main thread (``signal`` allows nothing else) and by the
+    outermost :func:`main`; leaving the ``with`` block restores the previous handlers.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    active: "_Interrupts | None" = None  # the installed one
+
+    def __init__(self):
+        self._cleanups: list = []
+        self._lock = threading.Lock()
+        self._saved = None
+
+    @classmethod
+    def at_exit(cls, fn) -> None:
+        """Call ``fn()`` (best effort) if a signal ends the process during this command."""
+        if cls.active is not None:
+            cls.active._cleanups.append(fn)
+
+    def __enter__(self):
+        if threading.current_thread() is not threading.main_thread() or _Interrupts.active is not None:
+            return self
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        try:
+            old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+            old = {s: signal.signal(s, self._note) for s in self.SIGNALS}
+        except (ValueError, OSError):
+            os.close(r)
+            os.close(w)
+            return self
+        self._saved = (old_fd, old, w)
+        _Interrupts.active = self
+        threading.Thread(target=self._watch, args=(r,), name="tq-jax-signals", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        if self._saved is None:
+            return
+        old_fd, old, w = self._saved
+        self._saved = None
+        _Interrupts.active = None
+        for s, h in old.items():
+            signal.signal(s, h)
+        signal.set_wakeup_fd(old_fd)
+        os.close(w)  # the watcher reads end-of-file and stops
+
+    @staticmethod
+    def _note(signum, frame):
+        pass  # the watcher thread acts: this handler only makes the C handler wake it
+
+    def _watch(self, r: int) -> None:
+        try:
+            while data := os.read(r, 64):
+                for signum in data:
+                    if signum in self.SIGNALS:
+                        self._end(signum)
+        finally:
+            os.close(r)
+
+    def _end(self, signum: int) -> None:
+        self._lock.acquire()  # never released: the process ends here
+        for fn in reversed(self._cleanups):
+            try:
+                fn()
+            except Exception:
+                pass
+        st = sys.modules.get("tq_jax.safetensors_io")  # not imported: no writer ever started
+        if st is not None:
+            st.remove_temp_files()
+        what = "interrupted" if signum == signal.SIGINT else f"terminated by {signal.Signals(signum).name}"
+        try:
+            os.write(2, f"\n{PROG}: {what}; no output was written for the unfinished file(s)\n".encode())
+        except OSError:
+            pass
+        os._exit(128 + signum)
+
+
+# --------------------------------------------------------------------------- logging
+
+
+@contextlib.contextmanager
+def quiet_third_party_logs(verbose: bool = False):
+    """Hide INFO and DEBUG log records (LMCache, JAX, absl, ...) inside the block, unless ``verbose``.
+
+    Warnings and errors still show. :func:`logging.disable` holds whatever handlers and
+    levels a package sets on its own loggers — LMCache gives each logger its own
+    coloured stderr handler at INFO, stops propagation, and creates more loggers as
+    its modules import — so no logger has to be found first. tq-jax itself prints; it
+    does not log. The previous setting is restored on leaving.
+    """
+    if verbose:
+        yield
+        return
+    previous = logging.root.manager.disable
+    logging.disable(logging.INFO)
+    try:
+        yield
+    finally:
+        logging.disable(previous)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -84,6 +226,19 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:,.1f} MB"
 
 
+def _grouped(pairs) -> list[tuple[str, list[str]]]:
+    """(name, why) pairs as (why, [names]) in first-seen order."""
+    out: dict[str, list[str]] = {}
+    for name, why in pairs:
+        out.setdefault(why, []).append(name)
+    return list(out.items())
+
+
+def _names(names: list[str], most: int = 8) -> str:
+    shown = ", ".join(repr(n) for n in names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
 def _run(args, plan_fn, verb: str) -> int:
     """Shared driver of compress/decompress: plan every file, run locally or distributed."""
     from tq_jax import distributed as _dist
@@ -115,6 +270,8 @@ def _run(args, plan_fn, verb: str) -> int:
         else:
             out0 = os.path.abspath(args.output.rstrip(os.sep) or args.output)
             parts = args.parts_dir or os.path.join(os.path.dirname(out0), f".{os.path.basename(out0)}.tq-parts")
+            if cluster.index == 0:  # what its `finally` would do, had a signal not ended the process
+                _Interrupts.at_exit(lambda: __import__("shutil").rmtree(parts, ignore_errors=True))
             tag = f"[{cluster.index}/{cluster.count}] {verb}"
             plans, _ = _dist.run_distributed(
                 cluster, open_plans, devices, parts,
@@ -132,6 +289,8 @@ def _run(args, plan_fn, verb: str) -> int:
             ratio = f" ({a / b:.2f}x)" if verb == "compress" and b else ""
             print(f"{verb}ed {plan.src} -> {plan.out}: {n_tq} TQ01 tensor(s), {n_raw} passed through; "
                   f"{_mb(a)} -> {_mb(b)}{ratio}")
+            for why, names in _grouped(plan.passed):
+                print(f"  passed through unchanged ({why}): {_names(names)}")
             if verb == "compress" and n_tq == 0:
                 print(f"{PROG}: note: no tensor of {plan.src} was compressed: only floating tensors whose last "
                       f"axis is --head-dim ({args.head_dim}) are, unless --all is given.", file=sys.stderr)
@@ -182,7 +341,9 @@ def cmd_compress(args) -> int:
         options=tuple(sorted(codec_options(args).items())), head_dim=args.head_dim, all=args.all,
         exclude=tuple(args.exclude), chunk_bytes=_chunk_bytes(args.chunk_mb),
     )
-    return _run(args, lambda src, out: _batch.plan_compress(src, out, opts), "compress")
+    # Named in the error when the preset's raw layers would cover a whole tensor.
+    preset = args.preset if args.skip_first_layers is None and args.skip_last_layers is None else None
+    return _run(args, lambda src, out: _batch.plan_compress(src, out, opts, preset=preset), "compress")
 
 
 def cmd_decompress(args) -> int:
@@ -339,21 +500,28 @@ def cmd_bench(args) -> int:
         bits.append(b)
     if args.repeats < 1:
         raise _batch.CliError(f"--repeats must be at least 1, got {args.repeats}")
-    _bench.run_bench(quick=args.quick, bits=tuple(bits), repeats=args.repeats, seed=args.seed,
-                     reference=not args.no_reference, plots=not args.no_plots, out_dir=args.out_dir,
-                     devices=_devices(args.devices))
+    with quiet_third_party_logs(args.verbose):  # LMCache (under the reference) logs INFO lines
+        _bench.run_bench(quick=args.quick, bits=tuple(bits), repeats=args.repeats, seed=args.seed,
+                         reference=not args.no_reference, plots=not args.no_plots, out_dir=args.out_dir,
+                         devices=_devices(args.devices))
     return 0
 
 
 # --------------------------------------------------------------------------- parser
 
 
-def _add_run_options(p):
+_CHUNK_HELP = {
+    "compress": "largest piece of a tensor encoded at once, in MiB (default: 64); bounds memory; "
+                "compress writes one blob per piece",
+    "decompress": "largest piece of an uncompressed tensor copied at once, in MiB (default: 64); "
+                  "compressed tensors are decoded blob by blob, in the pieces compress chose",
+}
+
+
+def _add_run_options(p, verb: str):
     p.add_argument("inputs", nargs="+", metavar="IN", help="input file(s)")
     p.add_argument("output", metavar="OUT", help="output file, or a directory when there are several inputs")
-    p.add_argument("--chunk-mb", type=float, default=_batch.DEFAULT_CHUNK_BYTES / 2**20,
-                   help="largest piece of a tensor processed at once, in MiB (default: 64); "
-                        "compress writes one blob per piece")
+    p.add_argument("--chunk-mb", type=float, default=_batch.DEFAULT_CHUNK_BYTES / 2**20, help=_CHUNK_HELP[verb])
     p.add_argument("--devices", default="all", help="local JAX devices to use: 'all' (default) or a count")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
     g = p.add_argument_group("several hosts (jax.distributed; see docs/cli.md)")
@@ -365,6 +533,18 @@ def _add_run_options(p):
     g.add_argument("--parts-dir", help="shared directory for the processes' parts (default: next to OUT)")
     g.add_argument("--barrier-timeout", type=float, default=6 * 3600.0, metavar="SECONDS",
                    help="how long a process waits for the others at each step (default: 6 h)")
+
+
+def _version() -> str:
+    """The installed distribution's version (the package's own when not installed)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("tq-jax")
+    except metadata.PackageNotFoundError:
+        import tq_jax
+
+        return tq_jax.__version__
 
 
 def _presets() -> dict:
@@ -379,12 +559,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="TurboQuant KV-cache compression (TQ01) in JAX: compress tensor files, inspect them, benchmark.",
         epilog="Start with `tq-jax bench`. Documentation: docs/cli.md.",
     )
+    parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("compress", help="compress the KV tensors of .safetensors/.npy/.npz files into TQ01",
                        description="Every floating tensor whose last axis is --head-dim becomes TQ01 blob(s) "
                                    "stored as a U8 tensor under the same name; other tensors pass through.")
-    _add_run_options(p)
+    _add_run_options(p, "compress")
     p.add_argument("--bits", type=int, choices=range(1, 9), metavar="{1..8}",
                    help="bits per coordinate (default: 4); 2, 3, 4, 6 and 8 keep TQ01 version 1, "
                         "the reference's format, unless another option needs version 2")
@@ -406,7 +587,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--checksum", action="store_true", default=None, help="append a CRC32 to every blob")
     p.add_argument("--head-dim", type=int, default=128, help="vector length (default: 128)")
     p.add_argument("--all", action="store_true",
-                   help="compress every floating tensor, splitting a last axis of n*head_dim into (n, head_dim)")
+                   help="compress every floating tensor, splitting a last axis of n*head_dim into (n, head_dim); "
+                        "those TQ01 cannot encode (other dtypes, other last axes) pass through, listed in the summary")
     p.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
                    help="keep tensors whose name matches this glob uncompressed (repeatable)")
     p.set_defaults(func=cmd_compress)
@@ -414,7 +596,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("decompress", help="restore the tensors of files written by compress",
                        description="Inverse of compress: same names, shapes and dtypes. OUT ending in .npy/.npz "
                                    "writes that format; anything else writes safetensors.")
-    _add_run_options(p)
+    _add_run_options(p, "decompress")
     p.set_defaults(func=cmd_decompress)
 
     p = sub.add_parser("inspect", help="list a file's tensors, TQ01 header fields, sizes and ratios (no decoding)")
@@ -434,13 +616,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-reference", action="store_true", help="skip the reference plugin even if installed")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG charts")
     p.add_argument("--devices", default="all", help="local JAX devices to use: 'all' (default) or a count")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also show other packages' INFO log lines (LMCache, JAX, ...)")
     p.set_defaults(func=cmd_bench)
     return parser
 
 
 def main(argv=None) -> int:
     """Entry point of the ``tq-jax`` console script; returns the exit status."""
-    import tq_jax
+    with _Interrupts():  # first: a signal from here on ends the process cleanly
+        return _main(argv)
+
+
+def _main(argv) -> int:
+    import tq_jax  # (numpy, jax: seconds)
 
     args = build_parser().parse_args(argv)
     try:
@@ -457,7 +646,7 @@ def main(argv=None) -> int:
     except OSError as e:
         where = f"{e.filename}: " if e.filename else ""
         return _error(f"{where}{e.strerror or e}")
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # only where signals could not be handled (not the main thread)
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
 
