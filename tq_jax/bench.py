@@ -19,7 +19,8 @@ Methods:
     * an fp8-style cast: per-vector absmax scale (float16) and float8_e4m3fn values;
     * memcpy of the bf16 bytes (the lossless baseline).
 
-Charts (matplotlib, optional): ``size_vs_quality.png`` and ``throughput.png``.
+Charts (matplotlib, optional): ``size_vs_quality.png`` and ``throughput.png``; every
+axis says which way is better, and every point of the size/quality chart is labelled.
 """
 
 from __future__ import annotations
@@ -273,7 +274,8 @@ def format_table(results: list[Result], n_el: int, markdown: bool = False) -> st
     return "\n".join([fmt(rows[0]), sep] + [fmt(r) for r in rows[1:]])
 
 
-def _plots(results: list[Result], n_el: int, out_dir: str, title: str) -> list[str]:
+def figures(results: list[Result], n_el: int, title: str) -> dict:
+    """The charts as matplotlib figures: {file name: Figure} (the caller closes them)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -284,12 +286,13 @@ def _plots(results: list[Result], n_el: int, out_dir: str, title: str) -> list[s
 
     styles = {"tq-jax": ("C0", "o-"), "reference": ("C1", "s--"), "fp8": ("C2", "D"), "bf16": ("C7", "^")}
     hollow = {"reference": {"markerfacecolor": "none", "markersize": 10, "markeredgewidth": 1.5}}
-    paths = []
+    point_labels = {"tq-jax": lambda r: f"{int(r.bits)}b", "fp8": lambda r: "fp8"}
+    figs = {}
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, metric, label in (
-        (axes[0], lambda r: 1.0 - r.cosine, "1 − mean cosine similarity"),
-        (axes[1], lambda r: r.attn_err, "attention output relative error"),
+        (axes[0], lambda r: 1.0 - r.cosine, "1 − mean cosine similarity (lower is better)"),
+        (axes[1], lambda r: r.attn_err, "attention output relative error (lower is better)"),
     ):
         for fam in ("tq-jax", "reference", "fp8"):
             rs = sorted((r for r in results if family(r) == fam), key=lambda r: r.nbytes)
@@ -300,22 +303,20 @@ def _plots(results: list[Result], n_el: int, out_dir: str, title: str) -> list[s
             ys = [max(metric(r), 1e-9) for r in rs]
             kw = hollow.get(fam, {"markersize": 6})
             ax.plot(xs, ys, style, color=color, label=fam if fam != "fp8" else "fp8 e4m3 cast", **kw)
-            if fam == "tq-jax":
+            if fam in point_labels:  # the reference's points sit on tq-jax's (same bytes, same values)
                 for r, xv, yv in zip(rs, xs, ys):
-                    ax.annotate(f"{int(r.bits)}b", (xv, yv), textcoords="offset points", xytext=(5, 5), fontsize=8)
+                    ax.annotate(point_labels[fam](r), (xv, yv), textcoords="offset points", xytext=(5, 5),
+                                fontsize=8, color=color)
         ax.axvline(16, color=styles["bf16"][0], linestyle=":", label="bf16 (lossless)")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("stored bits per value (log scale)")
+        ax.set_xlabel("stored bits per value (log scale; left = smaller files)")
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"size vs quality — {title}", fontsize=10)
+    fig.suptitle(f"size vs quality — {title} (best: bottom left)", fontsize=10)
     fig.tight_layout()
-    path = os.path.join(out_dir, "size_vs_quality.png")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    paths.append(path)
+    figs["size_vs_quality.png"] = fig
 
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(results) + 1.5))
     ys = np.arange(len(results))
@@ -324,15 +325,25 @@ def _plots(results: list[Result], n_el: int, out_dir: str, title: str) -> list[s
     ax.set_yticks(ys, [r.method for r in results])
     ax.invert_yaxis()
     ax.set_xscale("log")
-    ax.set_xlabel("MB/s of bf16 KV (host to host, log scale)")
+    ax.set_xlabel("MB/s of bf16 KV (host to host, log scale; higher is better)")
     ax.grid(True, axis="x", which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title(f"throughput — {title}", fontsize=10)
+    ax.set_title(f"throughput — {title} (longer bars are faster)", fontsize=10)
     fig.tight_layout()
-    path = os.path.join(out_dir, "throughput.png")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    paths.append(path)
+    figs["throughput.png"] = fig
+    return figs
+
+
+def _plots(results: list[Result], n_el: int, out_dir: str, title: str) -> list[str]:
+    figs = figures(results, n_el, title)  # ImportError without matplotlib
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for name, fig in figs.items():
+        path = os.path.join(out_dir, name)
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
     return paths
 
 
