@@ -47,7 +47,7 @@ def umask():
 # --------------------------------------------------------------------------- file modes
 
 
-@pytest.mark.parametrize("mask", [0o022, 0o027, 0o002])
+@pytest.mark.parametrize("mask", [0o022, 0o027, 0o002], ids=oct)
 def test_outputs_get_the_mode_umask_allows(tmp_path, umask, mask):
     """Like `cp`: 0o666 less the umask, not the 0o600 of a mkstemp file."""
     src = tmp_path / "in.safetensors"

@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -147,8 +148,8 @@ class _Interrupts:
         if st is not None:
             st.remove_temp_files()
         what = "interrupted" if signum == signal.SIGINT else f"terminated by {signal.Signals(signum).name}"
-        try:
-            os.write(2, f"\n{PROG}: {what}; no output was written for the unfinished file(s)\n".encode())
+        try:  # os.write: the main thread may hold sys.stderr's lock mid-write
+            os.write(2, f"\n{PROG}: {what}\n".encode())
         except OSError:
             pass
         os._exit(128 + signum)
@@ -271,7 +272,7 @@ def _run(args, plan_fn, verb: str) -> int:
             out0 = os.path.abspath(args.output.rstrip(os.sep) or args.output)
             parts = args.parts_dir or os.path.join(os.path.dirname(out0), f".{os.path.basename(out0)}.tq-parts")
             if cluster.index == 0:  # what its `finally` would do, had a signal not ended the process
-                _Interrupts.at_exit(lambda: __import__("shutil").rmtree(parts, ignore_errors=True))
+                _Interrupts.at_exit(lambda: shutil.rmtree(parts, ignore_errors=True))
             tag = f"[{cluster.index}/{cluster.count}] {verb}"
             plans, _ = _dist.run_distributed(
                 cluster, open_plans, devices, parts,
