@@ -31,7 +31,7 @@ STORED = (2, 32, 256, 8, 128)
 N_CHUNKS = 4
 BF16_BYTES = 2 * int(np.prod(W1))
 # Mean per-vector cosine floors on N(0, 1) data; measured: 2-bit ~0.940, 3-bit ~0.983,
-# 4-bit ~0.9954, 8-bit ~0.99998 (the reference quantizer's numbers, TQ01.md).
+# 4-bit ~0.9954, 8-bit ~0.99998 (README's Numbers; the reference measures the same).
 COSINE_FLOOR = {2: 0.935, 3: 0.980, 4: 0.995, 8: 0.9999}
 
 
