@@ -212,7 +212,8 @@ def main() -> None:
             "`ATEN_CPU_CAPABILITY=avx512` (torch reports it back) with only `torch.randn` run under it — "
             "its AVX-512 slot for `normal_stub` is empty in torch 2.13.0, so the AVX2 kernel runs, the "
             "same machine code an AVX-512 CPU runs. The reference's QR on a real AVX-512 machine "
-            "(MKL's AVX-512 path) is not measured here; its spread is bounded by the MKL rows below.")
+            "(MKL's AVX-512 path) is not measured here; the MKL rows below show how far MKL's code path "
+            "and thread count alone move the reference's Q.")
     add("")
     add("tq_jax's rotation is the same everywhere: `torch_randn(d*d, seed, kernel=\"avx2\")`, float64 QR, "
         "rounded to float32. Seeds: " + ", ".join(map(str, seeds)) + ". W1 seed: 42.")
