@@ -579,12 +579,10 @@ def _attend_impl(cache: KVCache, q):
         acc = alpha[..., None] * acc + jnp.einsum("bhgqt,bthd->bhgqd", pv, cv, precision=_HI)
         return m_new, l, acc
 
-    shape = (batch, heads, group, q_len)
-    init_carry = (
-        jnp.full(shape, -jnp.inf, jnp.float32),
-        jnp.zeros(shape, jnp.float32),
-        jnp.zeros(shape + (dim,), jnp.float32),
-    )
+    # The carry starts from qr (zeros_like keeps its sharding type: under shard_map a
+    # fresh constant would be replicated while the loop's outputs vary by device).
+    zeros = jnp.zeros_like(qr)
+    init_carry = (zeros[..., 0] - jnp.inf, zeros[..., 0], zeros)
     _, l, acc = lax.fori_loop(0, n_blocks, body, init_carry)
     out = acc / jnp.where(l == 0, 1.0, l)[..., None]  # a query that sees no token: zeros
     out = _codec.unrotate(out, vtab.rotation)  # once per query, value rotation
@@ -675,6 +673,22 @@ def _writer_options(cfg: CacheConfig) -> _options.Options:
     )
 
 
+def _gather_impl(cache: KVCache, seq, lo, hi, *, slots: int):
+    """Codes and norms of tokens ``lo...lo+slots`` of ``seq`` (one program per ``slots``),
+    and whether a page holding one of the tokens ``lo...hi`` has an overflowed norm."""
+    cfg = cache.config
+    table = cache.page_table[seq]
+    pos = lo + jnp.arange(slots, dtype=jnp.int32)
+    page = jnp.maximum(table[jnp.clip(pos // cfg.page_tokens, 0, table.shape[0] - 1)], 0)
+    off = pos % cfg.page_tokens
+    rows = [a[page, off] for a in (cache.k_codes, cache.k_norms, cache.v_codes, cache.v_norms)]
+    overflowed = jnp.any(cache.overflow[page] & (pos < hi)[:, None])
+    return (*rows, overflowed)
+
+
+_gather_jit = jax.jit(_gather_impl, static_argnames="slots")
+
+
 def export(cache: KVCache, seq: int = 0, page: int | None = None) -> bytes:
     """TQ01 bytes of one sequence's K/V (or of one page of it), from the stored codes.
 
@@ -699,7 +713,7 @@ def export(cache: KVCache, seq: int = 0, page: int | None = None) -> bytes:
     """
     cfg = cache.config
     seq = _check_seq(cache, seq)
-    length = int(cache.lengths[seq])
+    length = int(_host(cache.lengths)[seq])
     lo, hi = _span(cache, seq, page, length)
     if page is not None and hi <= lo:
         raise ValueError(
@@ -707,17 +721,14 @@ def export(cache: KVCache, seq: int = 0, page: int | None = None) -> bytes:
             f"{cfg.page_tokens} per page."
         )
     t = hi - lo
-    pos = np.arange(lo, hi)
-    table = _host(cache.page_table[seq])
-    pages = table[pos // cfg.page_tokens] if t else np.zeros(0, np.int32)
-    offs = pos % cfg.page_tokens
-    if t and _host(cache.overflow[np.unique(pages)]).any():
+    slots = cfg.page_tokens if page is not None else cfg.pages_per_seq * cfg.page_tokens
+    *parts, overflowed = _gather_jit(cache, np.int32(seq), np.int32(lo), np.int32(hi), slots=slots)
+    if bool(overflowed):
         raise _blob.NormOverflowError(
             f"sequence {seq} holds vectors whose norm overflowed float16 when appended (stored as inf): "
             f"TQ01 with float16 norms cannot represent them. Re-append them scaled down."
         )
-    parts = [_host(a[pages, offs]) for a in (cache.k_codes, cache.k_norms, cache.v_codes, cache.v_norms)]
-    kc, kn, vc, vn = parts
+    kc, kn, vc, vn = (_host(a)[:t] for a in parts)
     header = _writer_options(cfg).header((2, 1, t, cfg.kv_heads, cfg.head_dim), cfg.dtype)
     groups = [(kc.reshape(-1), kn.reshape(-1)), (vc.reshape(-1), vn.reshape(-1))]
     if len(header.segments()) == 1:  # one stream: K's vectors then V's
@@ -841,8 +852,8 @@ def load(cache: KVCache, blob, seq: int = 0, page: int | None = None) -> KVCache
     cfg = cache.config
     seq = _check_seq(cache, seq)
     p = _wire.parse(blob)
-    length = int(cache.lengths[seq])
-    table = _host(cache.page_table[seq])
+    length = int(_host(cache.lengths)[seq])
+    table = _host(cache.page_table)[seq]
     have = int((table >= 0).sum())
     if page is None:
         t = _check_blob(cfg, p.header, cfg.max_len, f"a sequence (max_len={cfg.max_len})")
