@@ -7,42 +7,69 @@ streams) → :mod:`~tq_jax.codec` (jit-compiled encode/decode) → :mod:`~tq_jax
 
 Pure JAX + numpy: importing tq_jax never imports torch. The LMCache bridge lives in
 ``tq_jax.bridge``.
+
+The public names below load their module on first use (PEP 562), so ``import tq_jax``
+itself imports neither numpy nor jax: the ``tq-jax`` command installs its Ctrl-C
+handling before JAX's seconds-long import starts.
 """
 
-from tq_jax.blob import NormOverflowError as NormOverflowError
-from tq_jax.blob import dump_into as dump_into
-from tq_jax.blob import dumps as dumps
-from tq_jax.blob import load_into as load_into
-from tq_jax.blob import loads as loads
-from tq_jax.blob import serialized_size as serialized_size
-from tq_jax.codec import CodecConfig as CodecConfig
-from tq_jax.codec import Encoded as Encoded
-from tq_jax.codec import decode as decode
-from tq_jax.codec import encode as encode
-from tq_jax.options import PRESETS as PRESETS
-from tq_jax.options import Options as Options
-from tq_jax.wire import Header as Header
-from tq_jax.wire import WireError as WireError
-from tq_jax.wire import parse as parse
-from tq_jax.wire import peek_header as peek_header
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = (
-    "CodecConfig",
-    "Encoded",
-    "Header",
-    "NormOverflowError",
-    "Options",
-    "PRESETS",
-    "WireError",
-    "decode",
-    "dump_into",
-    "dumps",
-    "encode",
-    "load_into",
-    "loads",
-    "parse",
-    "peek_header",
-    "serialized_size",
-)
+# public name -> the module that defines it
+_EXPORTS = {
+    "CodecConfig": "tq_jax.codec",
+    "Encoded": "tq_jax.codec",
+    "Header": "tq_jax.wire",
+    "NormOverflowError": "tq_jax.blob",
+    "Options": "tq_jax.options",
+    "PRESETS": "tq_jax.options",
+    "WireError": "tq_jax.wire",
+    "decode": "tq_jax.codec",
+    "dump_into": "tq_jax.blob",
+    "dumps": "tq_jax.blob",
+    "encode": "tq_jax.codec",
+    "load_into": "tq_jax.blob",
+    "loads": "tq_jax.blob",
+    "parse": "tq_jax.wire",
+    "peek_header": "tq_jax.wire",
+    "serialized_size": "tq_jax.blob",
+}
+
+__all__ = tuple(sorted(_EXPORTS))
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tq_jax' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later reads skip this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
+    from tq_jax.blob import NormOverflowError as NormOverflowError
+    from tq_jax.blob import dump_into as dump_into
+    from tq_jax.blob import dumps as dumps
+    from tq_jax.blob import load_into as load_into
+    from tq_jax.blob import loads as loads
+    from tq_jax.blob import serialized_size as serialized_size
+    from tq_jax.codec import CodecConfig as CodecConfig
+    from tq_jax.codec import Encoded as Encoded
+    from tq_jax.codec import decode as decode
+    from tq_jax.codec import encode as encode
+    from tq_jax.options import PRESETS as PRESETS
+    from tq_jax.options import Options as Options
+    from tq_jax.wire import Header as Header
+    from tq_jax.wire import WireError as WireError
+    from tq_jax.wire import parse as parse
+    from tq_jax.wire import peek_header as peek_header

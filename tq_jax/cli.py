@@ -144,9 +144,13 @@ class _Interrupts:
                 fn()
             except Exception:
                 pass
-        st = sys.modules.get("tq_jax.safetensors_io")  # not imported: no writer ever started
-        if st is not None:
-            st.remove_temp_files()
+        # Not imported, or still importing (a signal during the import): no writer has started.
+        remove = getattr(sys.modules.get("tq_jax.safetensors_io"), "remove_temp_files", None)
+        if remove is not None:
+            try:
+                remove()
+            except Exception:
+                pass
         what = "interrupted" if signum == signal.SIGINT else f"terminated by {signal.Signals(signum).name}"
         try:  # os.write: the main thread may hold sys.stderr's lock mid-write
             os.write(2, f"\n{PROG}: {what}\n".encode())
