@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from tq_jax.packing import pack, pack_planes, packed_nbytes, plane_count, plane_order, unpack, unpack_groups, unpack_planes
 
-# Produced by running the reference (spec/TQ01.md, "Packing"); LSB-first bit stream.
+# Produced by running the reference (docs/TQ01.md, "Packing"); LSB-first bit stream.
 GOLDEN = [
     (2, [1, 2, 3, 0, 3], [57, 3]),
     (3, [1, 2, 3, 4, 5, 6, 7, 0, 5], [209, 88, 31, 5]),
