@@ -331,8 +331,14 @@ def test_dump_into_writes_exact_size():
     assert not buf[need:].any()
 
 
-def test_encode_kernel_cache_is_bounded():
+def test_encode_kernel_cache_is_bounded(monkeypatch):
+    # the bound is read at each insertion, so a small one exercises the same eviction
+    # (the real bound would compile 69 programs)
+    monkeypatch.setattr(blob, "_MAX_ENCODE_KERNELS", 3)
     x = np.random.default_rng(9).standard_normal((8, 16)).astype(np.float32)
-    for seed in range(blob._MAX_ENCODE_KERNELS + 5):
+    seeds = range(1000, 1008)
+    for seed in seeds:
         tq_jax.dumps(x, bits=2, seed=seed)
-    assert len(blob._ENCODE_KERNELS) <= blob._MAX_ENCODE_KERNELS
+        assert len(blob._ENCODE_KERNELS) <= 3
+    kept = {cfg.seed for cfg, _ in blob._ENCODE_KERNELS}
+    assert kept == set(seeds[-3:]), kept  # oldest first out

@@ -1,5 +1,6 @@
 """`import tq_jax` stays pure JAX + numpy: torch and lmcache load only with the bridge."""
 
+import os
 import subprocess
 import sys
 
@@ -30,3 +31,26 @@ def test_import_tq_jax_is_light_and_every_public_name_resolves():
         "pytest.raises(AttributeError, getattr, tq_jax, 'no_such_name')"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_ci_refuses_to_run_with_a_test_dependency_missing(tmp_path):
+    """Under CI a missing test dependency stops the run instead of skipping its tests."""
+    (tmp_path / "test_x.py").write_text("def test_x():\n    pass\n")
+    code = (
+        "import importlib.util, sys; real = importlib.util.find_spec; "
+        "importlib.util.find_spec = lambda n, *a: None if n == 'safetensors' else real(n, *a); "
+        "import pytest; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '--rootdir', sys.argv[1], "
+        "'-c', sys.argv[2], sys.argv[1]]))"
+    )
+    conftest = os.path.join(os.path.dirname(__file__), "conftest.py")
+    (tmp_path / "conftest.py").write_text(open(conftest).read())
+    ini = tmp_path / "pytest.ini"
+    ini.write_text("[pytest]\n")
+    env = dict(os.environ, CI="true")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path), str(ini)], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode != 0 and "safetensors (extra `test`)" in r.stdout + r.stderr, r.stdout + r.stderr
+    env.pop("CI")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path), str(ini)], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr

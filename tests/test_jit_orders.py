@@ -95,7 +95,7 @@ def test_jit_then_second_shape_then_eager_then_blob(cfg):
     np.testing.assert_array_equal(np.asarray(tq_jax.loads(blob)).reshape(x1.shape), np.asarray(want))
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("cfg", CONFIGS[:1], ids=IDS[:1])
 def test_eager_then_jit(cfg):
     x = _x((3, 5), cfg.dim, 3)
     want = _expected(x, cfg)
@@ -103,7 +103,7 @@ def test_eager_then_jit(cfg):
     _assert_same(jax.jit(_roundtrip_fn(cfg))(x), want)
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("cfg", CONFIGS[:1], ids=IDS[:1])
 def test_lower_first(cfg):
     """Lowering (no execution) is a trace too: it must leave nothing behind."""
     x = _x((4, 6), cfg.dim, 4)
@@ -113,7 +113,7 @@ def test_lower_first(cfg):
     _assert_same(lowered.compile()(x), want)
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("cfg", CONFIGS[:2], ids=IDS[:2])  # hadamard runs both its encoder paths under vmap
 def test_vmap_then_eager(cfg):
     x = _x((3, 4), cfg.dim, 5)
     want = _expected(x, cfg)
@@ -207,6 +207,7 @@ def test_leak_detector_sees_a_planted_tracer():
     assert _tracers_reachable_from([{"cache": cached}])
 
 
+@pytest.mark.slow
 def test_shard_map_on_four_devices_then_eager_then_blob():
     """shard_map over 4 forced CPU devices as the first use (a fresh process: the host
     device count is fixed when XLA starts), then eager and blob paths in that process."""
