@@ -394,7 +394,7 @@ def run_bench(*, quick: bool = False, bits=(2, 3, 4, 8), repeats: int = 3, seed:
         try:
             charts = _plots(results, n_el, out_dir, f"{list(shape)} bf16")
         except ImportError:
-            notes.append("matplotlib is not installed: no charts (pip install -e ".[cli]" in a clone).")
+            notes.append("matplotlib is not installed: no charts (pip install -e '.[cli]' in a clone).")
             echo(f"note: {notes[-1]}")
     doc = {
         "workload": workload,
