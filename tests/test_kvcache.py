@@ -381,3 +381,21 @@ def test_init_rejects_unpackable_head_dim_and_bad_page_size():
     with pytest.raises(ValueError, match="num_pages"):
         kvcache.init(1, 8, 1, 64, 4, 4, num_pages=4)
     assert dataclasses.is_dataclass(kvcache.init(1, 8, 1, 64).config)
+
+
+def test_default_bfloat16_cache_stores_what_dumps_stores_for_bfloat16_kv():
+    rng = np.random.default_rng(10)
+    cache = kvcache.init(2, 20, H, D, 4, 4, "haar", seed=11, block_tokens=16)  # dtype defaults to bfloat16
+    k = rng.standard_normal((2, 16, H, D)).astype(np.float32)
+    v = rng.standard_normal((2, 16, H, D)).astype(np.float32)
+    cache = kvcache.append(cache, k, v)  # float32 in: cast to the cache's dtype first
+    kb, vb = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+    blob = kvcache.export(cache, seq=1)
+    assert tq_jax.peek_header(blob).dtype == "bfloat16"
+    assert blob == tq_jax.dumps(np.stack([kb[1], vb[1]])[:, None], bits=4, seed=11)
+    q = rng.standard_normal((2, 1, H, D)).astype(jnp.bfloat16)
+    out = kvcache.attend(cache, q)
+    assert out.dtype == jnp.bfloat16
+    kv = np.asarray(tq_jax.loads(blob, dtype=jnp.float32))
+    ref = dense_attention(np.asarray(q[1], np.float32), kv[0, 0], kv[1, 0])
+    np.testing.assert_allclose(np.asarray(out[1], np.float32), ref, rtol=1e-2, atol=1e-2 * np.abs(ref).max())
