@@ -551,8 +551,11 @@ def _attend_impl(cache: KVCache, q):
     n_blocks = jnp.minimum((jnp.max(lengths) + blk - 1) // blk, max_blocks)
 
     def gather(pool, uidx):
+        """The block's rows, head-major: [B, H, T, ...]. Transposing the uint8 codes
+        rather than the float32 centroids (or leaving it to the einsums) took 0.85x the
+        time (B 4, H 8, GQA 4, 4k tokens, CPU; same bits)."""
         g = pool[uidx]  # [B, per_block, unit, H, ...]
-        return g.reshape(batch, blk, *g.shape[3:])
+        return jnp.swapaxes(g.reshape(batch, blk, *g.shape[3:]), 1, 2)
 
     def body(j, carry):
         m, l, acc = carry
@@ -561,12 +564,12 @@ def _attend_impl(cache: KVCache, q):
         page = table[:, jnp.clip(starts // ps, 0, pps - 1)]  # [B, per_block]
         uidx = jnp.maximum(page, 0) * per_page + (starts % ps)[None, :] // unit
         tok = t0 + jnp.arange(blk, dtype=jnp.int32)
-        present = tok[None, :] < lengths[:, None]  # [B, T]
-        kn = jnp.where(present[..., None], gather(knorm, uidx).astype(jnp.float32), 0.0)  # [B, T, H]
-        vn = jnp.where(present[..., None], gather(vnorm, uidx).astype(jnp.float32), 0.0)
-        ck = jnp.take(k_centroids, _unpack(gather(kpool, uidx), cfg.key_bits, dim), mode="clip")  # [B, T, H, D]
-        s = jnp.einsum("bhgqd,bthd->bhgqt", qr, ck, precision=_HI)
-        s = s * kn.transpose(0, 2, 1)[:, :, None, None, :]
+        present = (tok[None, :] < lengths[:, None])[:, None, :]  # [B, 1, T]
+        kn = jnp.where(present, gather(knorm, uidx).astype(jnp.float32), 0.0)  # [B, H, T]
+        vn = jnp.where(present, gather(vnorm, uidx).astype(jnp.float32), 0.0)
+        ck = jnp.take(k_centroids, _unpack(gather(kpool, uidx), cfg.key_bits, dim), mode="clip")  # [B, H, T, D]
+        s = jnp.einsum("bhgqd,bhtd->bhgqt", qr, ck, precision=_HI)
+        s = s * kn[:, :, None, None, :]
         mask = (tok[None, None, :] <= last[:, :, None])[:, None, None]  # [B, 1, 1, Q, T]
         s = jnp.where(mask, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
@@ -575,8 +578,8 @@ def _attend_impl(cache: KVCache, q):
         alpha = jnp.exp(m - m_safe)
         l = alpha * l + jnp.sum(p, axis=-1)
         cv = jnp.take(v_centroids, _unpack(gather(vpool, uidx), cfg.value_bits, dim), mode="clip")
-        pv = p * vn.transpose(0, 2, 1)[:, :, None, None, :]
-        acc = alpha[..., None] * acc + jnp.einsum("bhgqt,bthd->bhgqd", pv, cv, precision=_HI)
+        pv = p * vn[:, :, None, None, :]
+        acc = alpha[..., None] * acc + jnp.einsum("bhgqt,bhtd->bhgqd", pv, cv, precision=_HI)
         return m_new, l, acc
 
     # The carry starts from qr (zeros_like keeps its sharding type: under shard_map a
