@@ -306,8 +306,10 @@ def test_dtypes_and_load_into():
 
 
 def test_bad_inputs_say_how_to_fix():
-    with pytest.raises(ValueError, match="`key_bits` must be an int in 1..8"):
+    with pytest.raises(ValueError, match="`bits` must be an int in 1..8, got 9"):  # the argument given
         tq_jax.dumps(np.zeros((2, 64), np.float32), bits=9)
+    with pytest.raises(ValueError, match="`key_bits` must be an int in 1..8, got 9"):
+        tq_jax.dumps(np.zeros((2, 64), np.float32), key_bits=9, value_bits=4)
     with pytest.raises(ValueError, match="give `bits`"):
         tq_jax.dumps(np.zeros((2, 64), np.float32))
     with pytest.raises(ValueError, match="bfloat16, float16 or float32"):
