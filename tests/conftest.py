@@ -37,3 +37,13 @@ def pytest_configure(config):
             + ", ".join(missing)
             + '. Install them with: pip install -e ".[cli,lmcache,test]"'
         )
+
+
+def sweep(cases, fast: int = 1):
+    """Parameter sets for ``pytest.mark.parametrize``: the first ``fast`` run in the
+    quick subset (``-m "not slow"``), the rest are marked slow. Each case is one value,
+    or a tuple for several argument names."""
+    return [
+        case if i < fast else pytest.param(*(case if isinstance(case, tuple) else (case,)), marks=pytest.mark.slow)
+        for i, case in enumerate(cases)
+    ]

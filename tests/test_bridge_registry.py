@@ -307,6 +307,7 @@ def _env():
     return env
 
 
+@pytest.mark.slow
 def test_launcher_runs_a_module_after_registering(tmp_path):
     (tmp_path / "probe_mod.py").write_text(
         "import sys\n"
@@ -322,6 +323,7 @@ def test_launcher_runs_a_module_after_registering(tmp_path):
     assert "ARGS ['--x', '1'] TYPES ['aesgcm', 'fp8', 'tq_jax', 'tqai', 'turboquant']" in out
 
 
+@pytest.mark.slow
 def test_launcher_starts_lmcache_server_with_tq_jax_serde(tmp_path):
     """`python -m tq_jax.bridge.launch server ...` gets past building the StorageManager
     (plain `lmcache server` fails there with "Unknown serde type 'tq_jax'")."""
@@ -381,6 +383,7 @@ def test_launcher_help_is_plain_and_loads_neither_torch_nor_lmcache():
     assert r.returncode == 2 and r.stderr.startswith("usage: python -m tq_jax.bridge.launch")
 
 
+@pytest.mark.slow
 def test_lmcache_help_through_the_launcher_is_quiet():
     r = subprocess.run([sys.executable, "-m", "tq_jax.bridge.launch", "server", "--help"], env=_quiet_env(),
                        capture_output=True, text=True, timeout=120)  # fmt: skip

@@ -22,6 +22,8 @@ from tq_jax.bridge import serde as S  # noqa: E402
 
 from bridge_util import byte_obj, key, layout, make_obj, mean_cosine, wait  # noqa: E402
 
+from conftest import sweep
+
 pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),  # google-* deps of lmcache
     pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning"),  # opentelemetry
@@ -76,7 +78,7 @@ def deserialize(proc, blobs_objs, shape, dtype=BF16):
         ([(2, 2, 16, 256), (1, 2, 16, 576)], [BF16, torch.float16], 64),  # two groups
     ],
 )
-@pytest.mark.parametrize("bits", [2, 3, 4, 6, 8])
+@pytest.mark.parametrize("bits", sweep([4, 2, 3, 6, 8]))
 def test_estimate_is_exact(shapes, dtypes, head_dim, bits):
     ser = S.TQJaxSerializer(head_dim=head_dim, bits=bits)
     lay = layout(shapes, dtypes)
@@ -103,7 +105,7 @@ def test_stored_shapes():
 # ----------------------------------------------------------------------------- processor
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", sweep([4, 2, 8]))
 def test_processor_workers_bit_identical(bits):
     shape = (2, 4, 64, 512)
     srcs = [kv(shape, seed=i) for i in range(8)]

@@ -33,6 +33,7 @@ SMALL = ["--layers", "2", "--tokens", "64", "--kv-heads", "2"]  # [2, 2, 64, 256
 STORED = (2, 2, 64, 2, 128)
 
 
+@pytest.mark.slow
 def test_smoke_command_round_trips_through_fs(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("LMCACHE_LOG_LEVEL", "LMCACHE_DISABLE_BANNER")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)

@@ -21,6 +21,8 @@ from tq_jax.bridge import dlpack, register  # noqa: E402
 
 from bridge_util import Events, build_manager, key, mean_cosine, store_evict_prefetch  # noqa: E402
 
+from conftest import sweep
+
 pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),  # google-* deps of lmcache
     pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning"),  # opentelemetry
@@ -41,7 +43,7 @@ def chunks():
     return [torch.randn(W1, generator=g).to(torch.bfloat16) for _ in range(N_CHUNKS)]
 
 
-@pytest.mark.parametrize("bits", [4, 2, 3, 8])
+@pytest.mark.parametrize("bits", sweep([4, 2, 3, 8]))
 def test_fs_round_trip_w1(tmp_path, chunks, bits):
     register()
     events = Events()

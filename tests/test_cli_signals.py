@@ -17,6 +17,9 @@ import pytest
 
 from tq_jax import safetensors_io as st
 
+from conftest import sweep
+
+
 @pytest.fixture(scope="module")
 def big(tmp_path_factory):
     path = tmp_path_factory.mktemp("sig") / "big.safetensors"
@@ -65,7 +68,7 @@ def _signal_compress(big, out_dir, when, signum=signal.SIGINT):
     return p.returncode, err.decode(errors="replace"), took, sorted(os.listdir(out_dir)), sent
 
 
-@pytest.mark.parametrize("when", [0.3, 1.5, "progress", "mid-write"])
+@pytest.mark.parametrize("when", sweep([0.3, "mid-write", 1.5, "progress"], fast=2))
 def test_ctrl_c_ends_the_job_with_130_and_no_output(big, tmp_path, when):
     rc, err, took, left, sent = _signal_compress(big, tmp_path / "out", when)
     assert (rc, sent) == (130, 1), err
@@ -75,6 +78,7 @@ def test_ctrl_c_ends_the_job_with_130_and_no_output(big, tmp_path, when):
     assert err.strip().splitlines()[-1].startswith("tq-jax: interrupted"), err
 
 
+@pytest.mark.slow
 def test_sigterm_mid_write_ends_with_143_and_no_output(big, tmp_path):
     rc, err, took, left, sent = _signal_compress(big, tmp_path / "out", "mid-write", signal.SIGTERM)
     assert (rc, sent, left) == (143, 1, []), err

@@ -8,6 +8,8 @@ import pytest
 import tq_jax
 from tq_jax import blob, codebook, codec, packing
 
+from conftest import sweep
+
 W1 = (2, 32, 256, 8, 128)  # one LLaMA-3-8B LMCache chunk, per head
 
 
@@ -77,7 +79,7 @@ def test_quantizer_counts_boundaries_strictly_below(bits):
 
 
 @pytest.mark.parametrize("rotation", ["haar", "hadamard"])
-@pytest.mark.parametrize("dim,bits", [(64, 4), (96, 3), (128, 2), (80, 6), (64, 1), (12, 3)])
+@pytest.mark.parametrize("dim,bits", sweep([(64, 4), (12, 3), (96, 3), (128, 2), (80, 6), (64, 1)], fast=2))
 def test_row_kernels_equal_the_natural_order_pipeline(dim, bits, rotation):
     # The planar kernels (indices never in natural order) against encode_indices +
     # pack / unpack + decode_indices; (12, 3) has unaligned rows (the natural path).
@@ -94,7 +96,7 @@ def test_row_kernels_equal_the_natural_order_pipeline(dim, bits, rotation):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=2e-5 * float(np.abs(want).max()))
 
 
-@pytest.mark.parametrize("dim,bits", [(16, 4), (32, 7), (112, 5), (128, 3), (128, 8)])
+@pytest.mark.parametrize("dim,bits", sweep([(16, 4), (32, 7), (112, 5), (128, 3), (128, 8)]))
 def test_group_kernel_equals_the_natural_order_pipeline(dim, bits):
     # The Hadamard group kernel (planes per 16-group, outer factor as sums) against
     # encode_indices + pack, with two batch axes; each group fills 2*bits bytes.
@@ -110,7 +112,7 @@ def test_group_kernel_equals_the_natural_order_pipeline(dim, bits):
 
 
 @pytest.mark.parametrize("nc", [False, True])
-@pytest.mark.parametrize("dim,bits", [(16, 4), (48, 1), (80, 3), (112, 5), (128, 4), (96, 6), (128, 7), (128, 8)])
+@pytest.mark.parametrize("dim,bits", sweep([(128, 4), (80, 3), (16, 4), (48, 1), (112, 5), (96, 6), (128, 7), (128, 8)], fast=2))
 def test_group_decode_is_decode_rows_bit_for_bit(dim, bits, nc):
     # The group decoder (16-groups, norm correction through a per-vector codebook)
     # against decode_rows (whole rows, the rotation's own matrices): the same sums in
@@ -231,6 +233,7 @@ def test_second_call_does_not_recompile():
     assert codec._encode._cache_size() == n
 
 
+@pytest.mark.slow
 def test_chunk_stream_compiles_a_bounded_number_of_programs():
     # LMCache-style chunks [2, L, T, H, D] for every token count T = 1..256.
     before = blob.compiled_programs()
@@ -254,7 +257,7 @@ def test_bucket_sizes():
         assert b >= n and b % 8 == 0 and (b <= 16 or b <= 1.5 * n)
 
 
-@pytest.mark.parametrize("dim", [128, 80, 256])
+@pytest.mark.parametrize("dim", sweep([128, 80, 256]))
 def test_hadamard_float32_norms_are_the_same_bits_in_any_block(dim):
     # Hadamard norms are summed in a fixed order: XLA's CPU reduction gave 8- and
     # 16-vector blocks norms one ulp away from 4096-vector ones, which float32 norms
@@ -266,7 +269,7 @@ def test_hadamard_float32_norms_are_the_same_bits_in_any_block(dim):
         assert tq_jax.dumps(x, bits=4, rotation="hadamard", norm_dtype="float32", block_vectors=block) == one
 
 
-@pytest.mark.parametrize("dim,bits", [(64, 3), (128, 4), (80, 2)])
+@pytest.mark.parametrize("dim,bits", sweep([(64, 3), (128, 4), (80, 2)]))
 def test_hadamard_norm_correction_decodes_the_same_bits_in_any_block(dim, bits):
     # Norm correction sums squares in a fixed order: XLA's CPU reduction orders its
     # sums by batch size (8- and 16-vector blocks came out one ulp apart).
@@ -278,7 +281,7 @@ def test_hadamard_norm_correction_decodes_the_same_bits_in_any_block(dim, bits):
 
 
 @pytest.mark.parametrize("block", [8, 24, 64, 1000])
-@pytest.mark.parametrize("dim,bits", [(64, 3), (13, 3), (7, 6), (5, 2)])
+@pytest.mark.parametrize("dim,bits", sweep([(64, 3), (13, 3), (7, 6), (5, 2)], fast=2))
 def test_blocking_does_not_change_bytes(block, dim, bits):
     # dim*bits not a multiple of 8 (13*3, 7*6, 5*2) exercises the flat stream across blocks.
     x = np.random.default_rng(dim).standard_normal((203, dim)).astype(np.float32)

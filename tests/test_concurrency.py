@@ -51,6 +51,7 @@ def lmc():
     return torch, SerdeConfig, create_serde_processor, dlpack, byte_obj, key, layout, make_obj, wait
 
 
+@pytest.mark.slow
 def test_async_serde_processor_mixed_tasks_bit_identical_to_serial(lmc):
     torch, SerdeConfig, create_serde_processor, dlpack, byte_obj, key, layout, make_obj, wait = lmc
     dtypes = [torch.bfloat16, torch.float32]
@@ -158,6 +159,7 @@ def _round_trip(i: int):
     return blob, y, z
 
 
+@pytest.mark.slow
 def test_threads_call_dumps_and_loads_concurrently():
     n = 4 * len(THREAD_CASES)
     barrier = threading.Barrier(8)

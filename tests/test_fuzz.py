@@ -257,6 +257,7 @@ def test_random_bytes_raise_only_wire_errors(prefix, tail):
     check_blob(prefix + tail)
 
 
+@pytest.mark.slow
 def test_every_truncation_and_extension_of_valid_blobs():
     for name, blob in corpus():
         assert check_blob(blob) is not None, name
@@ -270,12 +271,14 @@ def test_every_truncation_and_extension_of_valid_blobs():
             wire.parse(blob + b"\0")
 
 
+@pytest.mark.slow
 @settings(FUZZ, max_examples=1200)
 @given(mutated())
 def test_mutated_blobs_raise_only_wire_errors_or_decode_to_their_shape(case):
     check_blob(case[0])
 
 
+@pytest.mark.slow
 @settings(FUZZ, max_examples=50)
 @given(synthesized())
 def test_structurally_valid_blobs_parse_and_decode(blob):

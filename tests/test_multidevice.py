@@ -17,6 +17,8 @@ import pytest
 from tq_jax import cli
 from tq_jax import safetensors_io as st
 
+pytestmark = pytest.mark.slow  # fresh processes with forced device counts
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 180
 

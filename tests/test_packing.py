@@ -54,6 +54,7 @@ def test_roundtrip_and_definition(bits, data):
     np.testing.assert_array_equal(np.asarray(unpack(packed, bits, n)), idx)
 
 
+@pytest.mark.slow
 @settings(max_examples=100, deadline=None)
 @given(bits=st.sampled_from([2, 3, 4, 6, 8]), n=st.integers(1, 300), seed=st.integers(0, 2**31))
 def test_matches_tqai(bits, n, seed):
@@ -92,7 +93,7 @@ def test_bad_bits_and_short_input():
 # ----------------------------------------------------------------------------- planes
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(bits=st.integers(1, 8), data=st.data())
 def test_planes_pack_to_the_natural_bytes(bits, data):
     # Independent expectation: pack() of the same indices in natural order.
@@ -124,6 +125,7 @@ def test_planes_refuse_unaligned_rows():
         unpack_planes(np.zeros((5,), np.uint8), 4, 12)
 
 
+@pytest.mark.slow
 def test_unpack_groups_is_unpack_in_natural_order():
     # every width: 5 and 7 bits read two words per group, shifting lanes out of both
     rng = np.random.default_rng(4)

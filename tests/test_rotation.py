@@ -147,6 +147,7 @@ def _use(pinned, cap):
     return data
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cap", ["avx2", "avx512"])
 def test_torch_randn_is_torch_avx2_kernel_bit_for_bit(pinned, cap):
     """Under AVX2 and AVX512 torch draws exactly kernel="avx2" (the n < 16 path too)."""
@@ -161,6 +162,7 @@ def test_torch_randn_is_torch_avx2_kernel_bit_for_bit(pinned, cap):
             np.testing.assert_array_equal(torch_randn(n, seed), data[f"edge_{n}_{i}"], err_msg=f"n={n} seed={seed}")
 
 
+@pytest.mark.slow
 def test_torch_randn_scalar_kernel_is_torch_default_to_an_ulp(pinned):
     data = _use(pinned, "default")
     for n in NS:
@@ -250,6 +252,7 @@ def test_haar_rotation_ignores_the_blas_kernel():
     assert json.loads(got.stdout.strip().splitlines()[-1]) == list(GOLDEN_HAAR.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cap", ["avx2", "default"])
 def test_haar_rotation_matches_pinned_reference(pinned, cap):
     data = _use(pinned, cap)
