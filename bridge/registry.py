@@ -110,6 +110,16 @@ def _norm_dtype(name: str, value: object) -> str:
     return _choice(*_serde.NORM_DTYPES)(name, value)
 
 
+def _norm_bits(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"serde option `{name}` must be an int, got {type(value).__name__} {value!r}.")
+    if value != 0 and not 2 <= value <= 8:
+        raise ValueError(
+            f"serde option `{name}` must be 0 (float norms) or 2..8 (log-coded norms), got {value}."
+        )
+    return value
+
+
 def _preset(name: str, value: object):
     if value is None:
         return None
@@ -163,6 +173,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("norm_dtype", "float16", _norm_dtype, "float16 (v1) or float32 (never overflows)", version=2),
     Option("norm_correction", False, _flag, "rescale centroid vectors to unit length on decode", version=2),
     Option("checksum", False, _flag, "CRC32 over each blob, verified on load (a corrupt blob is a miss)", version=2),
+    Option("norm_bits", 0, _norm_bits, "0: float norms; 2..8: log-coded norms of that many bits per vector", version=2),
     Option("preset", None, _preset, f"a named bundle of the v2 options: {', '.join(sorted(PRESETS))}; explicit keys override it", version=2),
 )
 _BY_NAME = {o.name: o for o in OPTIONS}
@@ -187,12 +198,13 @@ class SerdeOptions:
     norm_dtype: str = "float16"
     norm_correction: bool = False
     checksum: bool = False
+    norm_bits: int = 0
     preset: str | None = None
 
     def codec_options(self) -> dict:
         """The :class:`tq_jax.Options` fields beyond ``bits`` and ``seed``."""
         names = ("key_bits", "value_bits", "skip_first_layers", "skip_last_layers", "rotation",
-                 "norm_dtype", "norm_correction", "checksum")
+                 "norm_dtype", "norm_correction", "checksum", "norm_bits")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
 

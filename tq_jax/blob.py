@@ -338,18 +338,23 @@ def _encode(x, options: _options.Options, block_vectors, device):
         cfg = _codec.CodecConfig(header.dim, bits, options.seed, options.rotation)
         encoded.append(_encode_vectors(_group_view(host, header, g, lo, hi), cfg, block_vectors, devices))
 
-    count, total, largest = _norm_overflow([n for _, n in encoded])
-    if count and options.norm_dtype == "float16":
-        raise NormOverflowError(NORM_OVERFLOW.format(count=count, total=total, largest=largest))
-    if count or options.norm_dtype == "float32":
-        header = options.header(host.shape, dtype, norm_dtype="float32")
+    if not options.norm_bits:
+        count, total, largest = _norm_overflow([n for _, n in encoded])
+        if count and options.norm_dtype == "float16":
+            raise NormOverflowError(NORM_OVERFLOW.format(count=count, total=total, largest=largest))
+        if count or options.norm_dtype == "float32":
+            header = options.header(host.shape, dtype, norm_dtype="float32")
     ndt = np.float32 if header.norm_dtype == "float32" else np.float16
 
     pieces = [_wire.header_bytes(header)]
-    for chunks, norms in encoded:
+    for (chunks, norms), (_, _, _, _, n_vec) in zip(encoded, header.segments()):
         pieces.append(_wire._I64.pack(sum(len(c) for c in chunks)))
         pieces.extend(memoryview(c) for c in chunks)
-        nb = norms.astype(ndt)
+        if header.norm_bits:
+            ranges, codes = _codec.encode_log_norms(norms, header.norm_groups(n_vec), header.norm_bits)
+            nb = np.concatenate([ranges.astype("<f4").reshape(-1).view(np.uint8), codes])
+        else:
+            nb = norms.astype(ndt)
         pieces.append(_wire._I64.pack(nb.nbytes))
         pieces.append(memoryview(nb).cast("B"))
     if header.version == _wire.VERSION_2:
@@ -418,7 +423,7 @@ def dumps(x, bits=None, *, block_vectors: int | None = None, device=None, **opti
             on how many devices share the work.
         **options: :class:`~tq_jax.Options` fields: ``seed`` (42), ``key_bits``,
             ``value_bits``, ``skip_first_layers``, ``skip_last_layers``, ``rotation``
-            ("haar"), ``norm_dtype`` ("auto"), ``norm_correction``, ``checksum``.
+            ("haar"), ``norm_dtype`` ("auto"), ``norm_correction``, ``checksum``, ``norm_bits`` (0).
 
     Returns:
         The blob.
@@ -534,6 +539,8 @@ def _decode_parsed(p: _wire.Parsed, out: np.ndarray, block_vectors, device) -> N
             raise _wire.BadFieldError(f"TQ01 QJL blob cannot be decoded: {e}") from None
         qjl = (p.sketch, p.residual_norms, [jax.device_put(m, d) for d in devices])
     for (g, bits, lo, hi, _), stream, norms in zip(h.segments(), p.indices, p.norms):
+        if isinstance(norms, _wire.NormCodes):
+            norms = _codec.decode_log_norms(norms.ranges, norms.codes, norms.bits, norms.count)
         cfg = _codec.CodecConfig(h.dim, bits, h.seed, h.rotation)
         _decode_vectors(stream, norms, _group_view(out, h, g, lo, hi), cfg, h, block_vectors, devices, qjl)
     if h.kv_layout and (h.skip_first or h.skip_last):

@@ -63,6 +63,8 @@ __all__ = [
     "TrailingBytesError",
     "ChecksumError",
     "VERSION_2",
+    "NormCodes",
+    "NORM_BITS",
     "header_bytes",
     "header_nbytes",
     "serialized_size",
@@ -90,7 +92,11 @@ FLAG_CHECKSUM = 0x01  # a CRC32 (zlib) of every preceding byte ends the blob
 FLAG_NORM_CORRECTION = 0x02  # decoders rescale centroid vectors to unit length
 FLAG_NORMS_F32 = 0x04  # norms are float32 (else float16)
 FLAG_KV = 0x08  # axis 0 holds groups (K, V) and axis 1 layers: per-group bits, raw layers
-_FLAGS_KNOWN = FLAG_CHECKSUM | FLAG_NORM_CORRECTION | FLAG_NORMS_F32 | FLAG_KV
+FLAG_NORM_CODES = 0x10  # a u8 norm_bits follows the fixed prefix; norms are log-uniform codes
+_FLAGS_KNOWN = FLAG_CHECKSUM | FLAG_NORM_CORRECTION | FLAG_NORMS_F32 | FLAG_KV | FLAG_NORM_CODES
+NORM_BITS = range(2, 9)  # widths of log-coded norms
+# A log-coded norm group's range (lo, hi) is float32 ln(norm): exp(hi) must stay finite.
+MAX_LOG_NORM = 88.0
 ROTATION_CODES = {"haar": 0, "hadamard": 1}
 _ROTATION_NAMES = {v: k for k, v in ROTATION_CODES.items()}
 MAX_SKIP_LAYERS = 0xFFFF
@@ -165,6 +171,8 @@ class Header(NamedTuple):
         norm_dtype: "float16" or "float32".
         norm_correction: decoders rescale centroid vectors to unit length.
         checksum: a CRC32 trailer covers the blob.
+        norm_bits: v2: 0 (norms are floats of ``norm_dtype``) or 2..8: each norm is a
+            code on a log-uniform grid per norm group (:meth:`norm_groups`).
     """
 
     bits: int
@@ -182,6 +190,7 @@ class Header(NamedTuple):
     norm_dtype: str = "float16"
     norm_correction: bool = False
     checksum: bool = False
+    norm_bits: int = 0
 
     @property
     def dim(self) -> int:
@@ -204,12 +213,41 @@ class Header(NamedTuple):
         vb = self.bits if self.value_bits is None else self.value_bits
         return [(g, self.bits if g == 0 else vb, lo, hi, (hi - lo) * per_layer) for g in range(groups)]
 
+    def norm_groups(self, n_vec: int) -> int:
+        """Log-coded norm groups of a segment of ``n_vec`` vectors: for ``ndim >= 3``, one per
+        index of the first two axes (in a ``[2, L, T, H, D]`` KV tensor: per K/V and layer),
+        i.e. runs of ``prod(shape[2:-1])`` consecutive vectors; for ``ndim <= 2``, one."""
+        if len(self.shape) < 3:
+            return 1
+        per_layer = math.prod(self.shape[2:-1])
+        return n_vec // per_layer if per_layer else 0
+
+    def norms_nbytes(self, n_vec: int) -> int:
+        """Bytes of a segment's norms section (Python ints)."""
+        if self.norm_bits:
+            return 8 * self.norm_groups(n_vec) + (n_vec * self.norm_bits + 7) // 8
+        return n_vec * (4 if self.norm_dtype == "float32" else 2)
+
     def raw_nbytes(self) -> int:
         """Bytes of the raw (unquantized) edge layers, all groups."""
         if not self.kv_layout:
             return 0
         per_layer = math.prod(self.shape[2:])
         return self.shape[0] * (self.skip_first + self.skip_last) * per_layer * _ITEMSIZE[self.dtype]
+
+
+class NormCodes(NamedTuple):
+    """A segment's log-coded norms (``norm_bits``), as zero-copy views.
+
+    ``ranges`` float32 (groups, 2): (lo, hi) = ln of the smallest positive and largest
+    norm of each group; ``codes`` uint8: the LSB-first stream of ``count`` codes of
+    ``bits`` bits (``tq_jax.codec.decode_log_norms`` turns them into norms).
+    """
+
+    ranges: np.ndarray
+    codes: np.ndarray
+    bits: int
+    count: int
 
 
 class Parsed(NamedTuple):
@@ -221,7 +259,7 @@ class Parsed(NamedTuple):
 
     header: Header
     indices: list  # of uint8 (idx_len,)
-    norms: list  # of float16/float32 (n_vectors,)
+    norms: list  # of float16/float32 (n_vectors,), or NormCodes with norm_bits
     sketch: np.ndarray | None  # int8 (num_vectors, m)
     residual_norms: np.ndarray | None  # float16 (num_vectors,)
     raw: np.ndarray  # uint8 (raw_nbytes,)
@@ -243,8 +281,8 @@ def dense_dim(dim: int, rotation: str = "haar") -> int:
     return dim
 
 
-def header_nbytes(ndim: int, dtype: str, version: int = VERSION_1) -> int:
-    prefix = _PREFIX.size if version == VERSION_1 else _PREFIX2.size
+def header_nbytes(ndim: int, dtype: str, version: int = VERSION_1, norm_bits: int = 0) -> int:
+    prefix = _PREFIX.size if version == VERSION_1 else _PREFIX2.size + (1 if norm_bits else 0)
     return prefix + 1 + 8 * ndim + 1 + len(dtype)
 
 
@@ -262,14 +300,13 @@ def section_sizes(shape, bits: int, use_qjl: bool = False, qjl_sketch_size: int 
 def blob_nbytes(header: Header) -> int:
     """Exact length of the blob that ``header`` describes (Python ints: no overflow)."""
     dim = header.shape[-1]
-    n = header_nbytes(len(header.shape), header.dtype, header.version)
+    n = header_nbytes(len(header.shape), header.dtype, header.version, header.norm_bits)
     if header.version == VERSION_1:
         idx, nrm, sk, rn = section_sizes(header.shape, header.bits, header.use_qjl, header.qjl_sketch_size)
         n += 8 + idx + 8 + nrm
         return n + (8 + sk + 8 + rn if header.use_qjl else 0)
-    norm_size = 4 if header.norm_dtype == "float32" else 2
     for _, bits, _, _, n_vec in header.segments():
-        n += 8 + (n_vec * dim * bits + 7) // 8 + 8 + n_vec * norm_size
+        n += 8 + (n_vec * dim * bits + 7) // 8 + 8 + header.norms_nbytes(n_vec)
     n += 8 + header.raw_nbytes()
     return n + (_U32.size if header.checksum else 0)
 
@@ -310,6 +347,7 @@ def header_bytes(header: Header) -> bytes:
             | (FLAG_NORM_CORRECTION if header.norm_correction else 0)
             | (FLAG_NORMS_F32 if header.norm_dtype == "float32" else 0)
             | (FLAG_KV if header.kv_layout else 0)
+            | (FLAG_NORM_CODES if header.norm_bits else 0)
         )
         vb = header.bits if header.value_bits is None else header.value_bits
         prefix = _PREFIX2.pack(
@@ -323,6 +361,8 @@ def header_bytes(header: Header) -> bytes:
             header.skip_last,
             _seed32(header.seed),
         )
+        if header.norm_bits:
+            prefix += struct.pack("<B", header.norm_bits)
     return b"".join(
         (prefix, struct.pack(f"<B{len(shape)}q", len(shape), *shape), struct.pack("<B", len(dtype)), dtype)
     )
@@ -406,7 +446,16 @@ def _read_prefix(r: _Reader, verify: bool = True) -> dict:
         raise BadFieldError(
             "TQ01 v2 blob without the KV-layout flag has per-group bits or raw layers: the header is corrupt."
         )
+    norm_bits = 0
+    if flags & FLAG_NORM_CODES:
+        (norm_bits,) = r.unpack(struct.Struct("<B"), "norm_bits")
+        _check_bits(norm_bits, NORM_BITS, "v2 norm_bits")
+        if flags & FLAG_NORMS_F32:
+            raise BadFieldError(
+                "TQ01 v2 flags set both NORMS_F32 and NORM_CODES: norms are either floats or codes; the header is corrupt."
+            )
     return dict(
+        norm_bits=norm_bits,
         bits=kb,
         seed=seed,
         version=2,
@@ -498,6 +547,21 @@ def _section(r: _Reader, expected: int, what: str) -> memoryview:
     return r.take(expected, f"the {what} section")
 
 
+def _norm_codes(section: memoryview, groups: int, bits: int, n_vec: int, name: str) -> NormCodes:
+    """A log-coded norms section; each group's range must be finite, ordered, and
+    small enough that every level exp(lo..hi) is a finite float32."""
+    ranges = np.frombuffer(section[: 8 * groups], "<f4").reshape(groups, 2)
+    lo, hi = ranges[:, 0], ranges[:, 1]
+    bad = ~(np.isfinite(lo) & np.isfinite(hi)) | (lo > hi) | (hi > MAX_LOG_NORM)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise BadFieldError(
+            f"TQ01 norms{name}: group {i} has log-norm range ({lo[i]!r}, {hi[i]!r}); a writer stores finite "
+            f"lo <= hi <= {MAX_LOG_NORM} (ln of float32 norms): the blob is corrupt."
+        )
+    return NormCodes(ranges, np.frombuffer(section[8 * groups :], np.uint8), bits, n_vec)
+
+
 def _as_memoryview(blob) -> memoryview:
     if isinstance(blob, np.ndarray):
         if blob.dtype != np.uint8 or blob.ndim != 1:
@@ -530,6 +594,9 @@ def field_offsets(blob):
         f.update(flags=(5, "<B"), rotation=(6, "<B"), key_bits=(7, "<B"), value_bits=(8, "<B"),
                  skip_first=(9, "<H"), skip_last=(11, "<H"), seed=(13, "<i"))
         off = _PREFIX2.size
+        if h.norm_bits:
+            f["norm_bits"] = (off, "<B")
+            off += 1
     f["ndim"] = (off, "<B")
     for i in range(len(h.shape)):
         f[f"shape[{i}]"] = (off + 1 + 8 * i, "<q")
@@ -591,7 +658,11 @@ def parse(blob) -> Parsed:
         for g, bits, _, _, n_vec in h.segments():
             name = "" if g is None else f" group {g}"
             indices.append(np.frombuffer(_section(r, (n_vec * dim * bits + 7) // 8, f"indices{name}"), np.uint8))
-            norms.append(np.frombuffer(_section(r, n_vec * np.dtype(ndt).itemsize, f"norms{name}"), ndt))
+            section = _section(r, h.norms_nbytes(n_vec), f"norms{name}")
+            if h.norm_bits:
+                norms.append(_norm_codes(section, h.norm_groups(n_vec), h.norm_bits, n_vec, name))
+            else:
+                norms.append(np.frombuffer(section, ndt))
         raw = np.frombuffer(_section(r, h.raw_nbytes(), "raw layers"), np.uint8)
     if r.off != r.end:
         raise TrailingBytesError(
