@@ -107,3 +107,33 @@ def test_fs_round_trip_w1_v2_options(tmp_path, chunks):
             assert torch.equal(x[:, layer], y[:, layer])
         assert mean_cosine(x[0], y[0], 128) >= 0.995
         assert mean_cosine(x[1], y[1], 128) >= 0.983
+
+
+@pytest.mark.parametrize("preset", sweep(["turbo-3.5", "turbo-2.5"]))
+def test_fs_round_trip_w1_turbo_presets(tmp_path, chunks, preset):
+    """The issue-13 presets through the real StorageManager: exact sizes from the layout
+    (log-coded norms included), the bytes tq_jax writes offline, quality per group."""
+    register()
+    events = Events()
+    serde = {"type": "tq_jax", "head_dim": 128, "preset": preset}
+    sm = build_manager({"type": "fs", "base_path": str(tmp_path), "serde": serde}, l1_gb=0.6)
+    keys = [key(i, f"w1-{preset}") for i in range(N_CHUNKS)]
+    try:
+        ok, failed, hits, l2_hits, got = store_evict_prefetch(sm, events, keys, chunks, W1)
+    finally:
+        sm.close()
+        events.stop()
+    assert (ok, failed) == (N_CHUNKS, 0), "L2 stores failed (see the serde log above)"
+    assert (hits, l2_hits) == (N_CHUNKS, N_CHUNKS), f"prefetch: {events.prefetch_failed}"
+    opts = tq_jax.Options(**tq_jax.PRESETS[preset])
+    size = opts.serialized_size(STORED, "bfloat16")
+    files = sorted(pathlib.Path(tmp_path).rglob("*.data"))
+    assert {f.stat().st_size for f in files} == {size}
+    assert 8 * size / (BF16_BYTES / 2) <= {"turbo-3.5": 3.6, "turbo-2.5": 2.6}[preset]  # bits per element
+    blobs = {f.read_bytes() for f in files}
+    assert tq_jax.dumps(dlpack.numpy_view(chunks[0]).reshape(STORED), **tq_jax.PRESETS[preset]) in blobs
+    kb, vb = opts.key_bits, opts.value_bits
+    for x, y in zip(chunks, got):
+        assert y.shape == W1 and y.dtype == torch.bfloat16
+        assert mean_cosine(x[0], y[0], 128) >= COSINE_FLOOR[kb] - 0.002  # 6-bit norms: within half a grid step
+        assert mean_cosine(x[1], y[1], 128) >= COSINE_FLOOR[vb] - 0.002

@@ -6,6 +6,8 @@ import json
 import logging
 import os
 import stat
+import subprocess
+import sys
 from importlib import metadata
 
 import jax.numpy as jnp
@@ -248,3 +250,24 @@ def test_bench_charts_say_which_way_is_better_and_label_fp8():
     finally:
         for f in figs.values():
             plt.close(f)
+
+
+def test_turbo_preset_and_norm_bits_flag_reach_the_blobs(tmp_path):
+    """`--preset turbo-3.5` writes the preset's blobs (same bytes as tq_jax.dumps with
+    it); `--norm-bits` overrides the preset's norm codes; inspect names them."""
+    import tq_jax
+
+    x = np.random.default_rng(4).standard_normal((2, 3, 16, 2, 64)).astype(np.float32)
+    src = tmp_path / "kv.safetensors"
+    st.save_file({"kv": x}, src)
+    for extra, norm_bits in (((), 6), (("--norm-bits", "4"), 4)):
+        out = tmp_path / f"c{norm_bits}.safetensors"
+        assert cli.main(["compress", str(src), str(out), "--head-dim", "64", "--preset", "turbo-3.5", *extra, "-q"]) == 0
+        blob = st.load_file(out)[0]["kv"].tobytes()
+        h = tq_jax.peek_header(blob)
+        assert (h.bits, h.value_bits, h.norm_bits, h.rotation) == (4, 3, norm_bits, "hadamard")
+        want = dict(tq_jax.PRESETS["turbo-3.5"], norm_bits=norm_bits)
+        assert blob == tq_jax.dumps(x, **want)
+    r = subprocess.run([sys.executable, "-m", "tq_jax", "inspect", str(tmp_path / "c6.safetensors")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "6-bit log norms" in r.stdout, r.stdout + r.stderr

@@ -336,7 +336,7 @@ def codec_options(args) -> dict:
 
 # Flags passed through to tq_jax.Options under the same name (None/False: not given).
 _OPTION_FLAGS = ("key_bits", "value_bits", "skip_first_layers", "skip_last_layers", "rotation",
-                 "norm_dtype", "norm_correction", "checksum")
+                 "norm_dtype", "norm_bits", "norm_correction", "checksum")
 
 
 def cmd_compress(args) -> int:
@@ -371,7 +371,7 @@ def _header_labels(h) -> tuple[str, str]:
         skip_first_layers=getattr(h, "skip_first", 0) if kv else 0,
         skip_last_layers=getattr(h, "skip_last", 0) if kv else 0,
         rotation=getattr(h, "rotation", "haar"), norm_dtype=getattr(h, "norm_dtype", "float16"),
-        norm_correction=getattr(h, "norm_correction", False), checksum=getattr(h, "checksum", False),
+        norm_bits=getattr(h, "norm_bits", 0), norm_correction=getattr(h, "norm_correction", False), checksum=getattr(h, "checksum", False),
         qjl=h.use_qjl,
     )
 
@@ -384,6 +384,8 @@ def _options_label(**o) -> str:
         out.append(o["rotation"])
     if o.get("norm_dtype") == "float32":
         out.append("f32 norms")
+    if o.get("norm_bits"):
+        out.append(f"{o['norm_bits']}-bit log norms")
     if o.get("norm_correction"):
         out.append("norm corr")
     if o.get("checksum"):
@@ -587,6 +589,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                                      "hadamard (fast, structured)")
     g.add_argument("--norm-dtype", choices=("auto", "float16", "float32"),
                    help="auto (default): float16 unless a norm overflows it, then float32")
+    g.add_argument("--norm-bits", type=int, choices=range(0, 9), metavar="{0,2..8}",
+                   help="0 (default): norms as floats; 2..8: each norm a code on a log-uniform grid "
+                        "per layer (turbo presets: 6)")
     g.add_argument("--norm-correction", action="store_true", default=None,
                    help="decoders rescale centroid vectors to unit length")
     g.add_argument("--checksum", action="store_true", default=None, help="append a CRC32 to every blob")
