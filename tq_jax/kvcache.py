@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import struct
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -56,9 +56,16 @@ from tq_jax import wire as _wire
 if TYPE_CHECKING:  # annotations only; jaxtyping is not a runtime dependency
     from jaxtyping import Array, Float, Int32, UInt8
 
-__all__ = ["CacheConfig", "KVCache", "init", "append", "attend", "export", "load", "nbytes", "BLOCK_TOKENS"]
+__all__ = ["CacheConfig", "KVCache", "init", "append", "attend", "export", "load", "nbytes", "BLOCK_TOKENS", "BLOCK_BYTES"]
 
-BLOCK_TOKENS = 256  # default tokens per step of the online softmax (a power of two)
+# attend's default block: the power of two of tokens whose dequantized keys (batch x kv_heads
+# x block x head_dim float32) fill about BLOCK_BYTES (a CPU core's L2), at most BLOCK_TOKENS
+# and at least MIN_BLOCK_TOKENS. Blocks that spill the L2 cost more than the extra loop steps
+# save (benchmarks/results/kvcache.md: batch 4, 8 heads, head_dim 128 -> 64 tokens).
+BLOCK_BYTES = 1 << 20
+BLOCK_TOKENS = 1024
+MIN_BLOCK_TOKENS = 16
+IMPLS = ("xla", "pallas")
 _HI = lax.Precision.HIGHEST
 _I64 = struct.Struct("<q")
 _DTYPES = ("bfloat16", "float16", "float32")
@@ -226,8 +233,9 @@ def init(
         num_pages: pages in the pool (paged only); default ``batch * ceil(max_len /
             page_size)``, enough for every sequence to reach ``max_len``.
         dtype: the model's K/V dtype (bfloat16, float16 or float32).
-        block_tokens: tokens per step of :func:`attend` (a power of two; default
-            ``BLOCK_TOKENS``, or the page size when that is larger).
+        block_tokens: tokens per step of :func:`attend` (a power of two; default: the
+            power of two whose float32 keys, ``batch * kv_heads * block * head_dim * 4``
+            bytes, fill about ``BLOCK_BYTES``, within ``16..BLOCK_TOKENS``).
 
     Returns:
         :class:`KVCache` with every sequence empty.
@@ -271,16 +279,19 @@ def init(
         raise ValueError(f"`dtype` must be one of {_DTYPES}, got {dtype!r}: the K/V dtype a TQ01 blob records.")
     if block_tokens is not None:
         block_tokens = _power_of_two(block_tokens, "block_tokens", "tokens per step of attend's online softmax.")
+    per_token = batch * kv_heads * head_dim * 4  # bytes of one token's float32 keys, all sequences and heads
+    fit = 1 << max(BLOCK_BYTES // per_token, 1).bit_length() - 1
+    default_block = min(max(fit, MIN_BLOCK_TOKENS), BLOCK_TOKENS)
     if page_size is None:
         if num_pages is not None:
             raise ValueError("`num_pages` applies to a paged cache only: pass page_size=... as well, or drop num_pages.")
-        block = min(block_tokens or BLOCK_TOKENS, _next_pow2(max_len))
+        block = min(block_tokens or default_block, _next_pow2(max_len))
         page_tokens = -(-max_len // block) * block  # capacity, a whole number of blocks
         num_pages = batch
     else:
         page_size = _power_of_two(page_size, "page_size", "tokens per page of the pool.")
         page_tokens = page_size
-        block = block_tokens or max(page_size, BLOCK_TOKENS)
+        block = block_tokens or default_block
         if num_pages is None:
             num_pages = batch * -(-max_len // page_size)
         num_pages = _positive_int(num_pages, "num_pages", "pages in the shared pool.")
@@ -513,29 +524,90 @@ def _check_room(cache: KVCache, n: np.ndarray, n_new: int) -> None:
 # --------------------------------------------------------------------------- attend
 
 
-def _unpack(codes, bits: int, dim: int):
-    """uint8 rows ``(..., dim*bits/8)`` → int32 indices ``(..., dim)`` in natural order."""
-    idx = _packing.unpack_groups(codes, bits, dim)
-    return idx.reshape(*codes.shape[:-1], dim).astype(jnp.int32)
+def _planes(codes, bits: int, dim: int, parts: int) -> list:
+    """uint8 rows ``(..., dim*bits/8)`` -> ``parts`` uint8 index arrays ``(..., dim/parts)``
+    that together hold the ``dim`` indices in planar order (:func:`tq_jax.packing.plane_order`:
+    lane 0 of every group, then lane 1, ...).
+
+    Lane ``i`` of a group of ``G = plane_count(bits)`` indices starts at bit ``i*bits`` of
+    the group's bytes (LSB first) and spans at most two bytes; it is shifted out of them
+    in uint8, so the unpacking stays one element-wise pass with no interleave. Part ``p``
+    is lanes ``p*G/parts ...`` side by side.
+    """
+    g = _packing.plane_count(bits)
+    per_group = g * bits // 8
+    v = codes.reshape(*codes.shape[:-1], dim // g, per_group)
+    lanes = []
+    for i in range(g):
+        first, shift = divmod(i * bits, 8)
+        x = v[..., first] >> np.uint8(shift) if shift else v[..., first]
+        if shift + bits > 8:  # the lane runs into the next byte
+            x = x | (v[..., first + 1] << np.uint8(8 - shift))
+        lanes.append(x & np.uint8((1 << bits) - 1) if bits < 8 else x)
+    k = g // parts
+    return [lanes[p * k] if k == 1 else jnp.concatenate(lanes[p * k : (p + 1) * k], axis=-1) for p in range(parts)]
 
 
-def _attend_impl(cache: KVCache, q):
+def _parts(bits: int) -> int:
+    """How many planar parts :func:`attend` keeps apart (one lookup and one dot each):
+    two when a group holds two or more lanes. Keeping the planes apart spares the
+    concatenation of the unpacked indices (0.87x the time at 4 bits, B 4, H 8, 8k tokens)."""
+    return min(_packing.plane_count(bits), 2)
+
+
+def _lookup(centroids, idx):
+    """``centroids[idx]`` for uint8 indices below the table's length."""
+    return centroids.at[idx.astype(jnp.uint32)].get(mode="promise_in_bounds")
+
+
+class _Query(NamedTuple):
+    """What both attention kernels read: the queries rotated, scaled and in planar order."""
+
+    parts: tuple  # key planes' query slices, float32 (B, H, G*Q, D/parts_k) each
+    last: "Int32[Array, 'B GQ']"  # the last position row r of sequence b sees
+    rows: int  # G*Q; row r = g*q_len + i (query head h*G + g, query i)
+
+
+def _query(cache: KVCache, q) -> _Query:
     cfg = cache.config
     batch, q_len, q_heads, dim = q.shape
-    heads = cache.k_codes.shape[2]
+    heads = cache.k_codes.shape[2]  # local heads under shard_map
     group = q_heads // heads
     ktab = _codec.device_tables(cfg.key_codec)
-    vtab = _codec.device_tables(cfg.value_codec)
-    k_centroids = jnp.asarray(ktab.centroids)
-    v_centroids = jnp.asarray(vtab.centroids)
-
-    # q' = R q / sqrt(d), once per query: [B, H, G, Q, D]
     qf = q.astype(jnp.float32).reshape(batch, q_len, heads, group, dim)
-    qr = _codec.rotate(qf, ktab.rotation) * np.float32(1.0 / math.sqrt(dim))
-    qr = qr.transpose(0, 2, 3, 1, 4)
+    qr = _codec.rotate(qf, ktab.rotation) * np.float32(1.0 / math.sqrt(dim))  # q' = R q / sqrt(d)
+    qr = qr[..., _packing.plane_order(dim, cfg.key_bits)]  # planar, like the unpacked codes
+    qr = qr.transpose(0, 2, 3, 1, 4).reshape(batch, heads, group * q_len, dim)
+    n = _parts(cfg.key_bits)
+    parts = tuple(qr[..., p * dim // n : (p + 1) * dim // n] for p in range(n))
+    pos = jnp.tile(jnp.arange(q_len, dtype=jnp.int32), group)
+    last = cache.lengths[:, None] - q_len + pos[None, :]
+    return _Query(parts, last, group * q_len)
 
+
+def _finish(cache: KVCache, q, acc, l):
+    """Output ``[B, Q, q_heads, D]`` from the accumulator (planar value order, rotated
+    domain) and the softmax sum: divide, back to natural order, un-rotate once."""
+    cfg = cache.config
+    batch, q_len, q_heads, dim = q.shape
+    heads = acc.shape[1]
+    vtab = _codec.device_tables(cfg.value_codec)
+    out = acc / jnp.where(l == 0, 1.0, l)[..., None]  # a query that sees no token: zeros
+    out = out[..., np.argsort(_packing.plane_order(dim, cfg.value_bits))]
+    out = _codec.unrotate(out, vtab.rotation)  # once per query, value rotation
+    out = out.reshape(batch, heads, q_heads // heads, q_len, dim).transpose(0, 3, 1, 2, 4)
+    return out.reshape(batch, q_len, q_heads, dim).astype(q.dtype)
+
+
+def _attend_xla(cache: KVCache, q):
+    cfg = cache.config
+    batch, _, _, dim = q.shape
+    heads = cache.k_codes.shape[2]
+    kc = jnp.asarray(_codec.device_tables(cfg.key_codec).centroids)
+    vc = jnp.asarray(_codec.device_tables(cfg.value_codec).centroids)
+    query = _query(cache, q)
+    nv = _parts(cfg.value_bits)
     lengths = cache.lengths
-    last = lengths[:, None] - q_len + jnp.arange(q_len, dtype=jnp.int32)[None, :]  # [B, Q]: causal bound
 
     ps, blk = cfg.page_tokens, cfg.block_tokens
     unit = min(ps, blk)  # pool rows gathered at once: a page, or a block inside one
@@ -549,12 +621,19 @@ def _attend_impl(cache: KVCache, q):
     pps = table.shape[1]
     max_blocks = -(-pps * ps // blk)
     n_blocks = jnp.minimum((jnp.max(lengths) + blk - 1) // blk, max_blocks)
+    scores = (((3,), (3,)), ((0, 1), (0, 1)))  # [B,H,R,d] x [B,H,T,d] -> [B,H,R,T]
+    values = (((3,), (2,)), ((0, 1), (0, 1)))  # [B,H,R,T] x [B,H,T,d] -> [B,H,R,d]
 
-    def gather(pool, uidx):
+    def gather(pool, uidx, j):
         """The block's rows, head-major: [B, H, T, ...]. Transposing the uint8 codes
         rather than the float32 centroids (or leaving it to the einsums) took 0.85x the
-        time (B 4, H 8, GQA 4, 4k tokens, CPU; same bits)."""
-        g = pool[uidx]  # [B, per_block, unit, H, ...]
+        time (B 4, H 8, GQA 4, 4k tokens, CPU; same bits). Unpaged, sequence b owns
+        page b (init's table never changes), so the block is one slice of the pool."""
+        if cfg.paged:
+            g = pool[uidx]  # [B, per_block, unit, H, ...]
+        else:
+            g = pool.reshape(batch, per_page, *pool.shape[1:])
+            g = lax.dynamic_slice_in_dim(g, j * per_block, per_block, axis=1)
         return jnp.swapaxes(g.reshape(batch, blk, *g.shape[3:]), 1, 2)
 
     def body(j, carry):
@@ -565,37 +644,48 @@ def _attend_impl(cache: KVCache, q):
         uidx = jnp.maximum(page, 0) * per_page + (starts % ps)[None, :] // unit
         tok = t0 + jnp.arange(blk, dtype=jnp.int32)
         present = (tok[None, :] < lengths[:, None])[:, None, :]  # [B, 1, T]
-        kn = jnp.where(present, gather(knorm, uidx).astype(jnp.float32), 0.0)  # [B, H, T]
-        vn = jnp.where(present, gather(vnorm, uidx).astype(jnp.float32), 0.0)
-        ck = jnp.take(k_centroids, _unpack(gather(kpool, uidx), cfg.key_bits, dim), mode="clip")  # [B, H, T, D]
-        s = jnp.einsum("bhgqd,bhtd->bhgqt", qr, ck, precision=_HI)
-        s = s * kn[:, :, None, None, :]
-        mask = (tok[None, None, :] <= last[:, :, None])[:, None, None]  # [B, 1, 1, Q, T]
+        kn = jnp.where(present, gather(knorm, uidx, j).astype(jnp.float32), 0.0)  # [B, H, T]
+        vn = jnp.where(present, gather(vnorm, uidx, j).astype(jnp.float32), 0.0)
+        kidx = _planes(gather(kpool, uidx, j), cfg.key_bits, dim, len(query.parts))
+        # q'.c[idx] per plane, then the norm: a [T] multiply, not a [T, D] one
+        s = sum(lax.dot_general(qp, _lookup(kc, ip), scores, precision=_HI) for qp, ip in zip(query.parts, kidx))
+        s = s * kn[:, :, None, :]
+        mask = (tok[None, None, :] <= query.last[:, :, None])[:, None]  # [B, 1, R, T]
         s = jnp.where(mask, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no token seen yet
         p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
         alpha = jnp.exp(m - m_safe)
         l = alpha * l + jnp.sum(p, axis=-1)
-        cv = jnp.take(v_centroids, _unpack(gather(vpool, uidx), cfg.value_bits, dim), mode="clip")
-        pv = p * vn[:, :, None, None, :]
-        acc = alpha[..., None] * acc + jnp.einsum("bhgqt,bhtd->bhgqd", pv, cv, precision=_HI)
+        pv = p * vn[:, :, None, :]
+        vidx = _planes(gather(vpool, uidx, j), cfg.value_bits, dim, nv)
+        acc = tuple(
+            alpha[..., None] * a + lax.dot_general(pv, _lookup(vc, ip), values, precision=_HI)
+            for a, ip in zip(acc, vidx)
+        )
         return m_new, l, acc
 
-    # The carry starts from qr (zeros_like keeps its sharding type: under shard_map a
-    # fresh constant would be replicated while the loop's outputs vary by device).
-    zeros = jnp.zeros_like(qr)
-    init_carry = (zeros[..., 0] - jnp.inf, zeros[..., 0], zeros)
+    # The carry starts from the query (zeros_like keeps its sharding type: under shard_map
+    # a fresh constant would be replicated while the loop's outputs vary by device).
+    q0 = query.parts[0]
+    zeros = jnp.broadcast_to(jnp.zeros_like(q0[..., :1]), q0.shape[:-1] + (dim // nv,))
+    init_carry = (zeros[..., 0] - jnp.inf, zeros[..., 0], (zeros,) * nv)
     _, l, acc = lax.fori_loop(0, n_blocks, body, init_carry)
-    out = acc / jnp.where(l == 0, 1.0, l)[..., None]  # a query that sees no token: zeros
-    out = _codec.unrotate(out, vtab.rotation)  # once per query, value rotation
-    return out.transpose(0, 3, 1, 2, 4).reshape(batch, q_len, q_heads, dim).astype(q.dtype)
+    return _finish(cache, q, jnp.concatenate(acc, axis=-1), l)
 
 
-_attend_jit = jax.jit(_attend_impl)
+def _attend_impl(cache: KVCache, q, impl: str = "xla"):
+    if impl == "pallas":
+        from tq_jax import _kvcache_pallas  # Pallas loads only when asked for
+
+        return _kvcache_pallas.attend(cache, q, interpret=jax.default_backend() == "cpu")
+    return _attend_xla(cache, q)
 
 
-def attend(cache: KVCache, q) -> "Float[Array, 'batch q_len q_heads head_dim']":
+_attend_jit = jax.jit(_attend_impl, static_argnames="impl")
+
+
+def attend(cache: KVCache, q, *, impl: str = "xla") -> "Float[Array, 'batch q_len q_heads head_dim']":
     """Causal attention of ``q`` over the cache, computed on the codes.
 
     Query ``i`` of sequence ``b`` sits at position ``lengths[b] - q_len + i`` (the
@@ -607,21 +697,29 @@ def attend(cache: KVCache, q) -> "Float[Array, 'batch q_len q_heads head_dim']":
     ``t`` scores ``n_t · Σ_j q′_j c_K[idx_tj]``; an online softmax over blocks of
     ``block_tokens`` tokens accumulates ``Σ_t p_t n'_t c_V[idx'_t]`` in the rotated
     domain, un-rotated once at the end. Memory is O(block), never O(tokens · head_dim).
-    The result equals dense attention over the decoded K/V (``loads(export(...))``)
+    The codes are unpacked into planar order (lane ``i`` of every byte group side by
+    side, :func:`tq_jax.packing.plane_order`), with ``q′`` permuted to match, so no
+    interleave is ever built. The result equals dense attention over the decoded K/V (``loads(export(...))``)
     up to float32 rounding. A query that sees no token (``lengths[b] < q_len``)
     returns zeros. Norm correction (TQ01 v2's ``norm_correction``) is not applied.
 
     Args:
         cache: the cache.
         q: ``[batch, q_len, q_heads, head_dim]``, ``q_heads`` a multiple of kv_heads.
+        impl: ``"xla"`` (the default everywhere: a ``fori_loop`` over blocks of XLA ops)
+            or ``"pallas"`` (one Pallas kernel over the pages, ``tq_jax._kvcache_pallas``;
+            run by the Pallas interpreter on CPU, which is correct but slow; it has not
+            been timed on an accelerator, so it is not the default there either).
 
     Returns:
         ``[batch, q_len, q_heads, head_dim]`` in ``q``'s dtype.
 
     Raises:
-        ValueError: a shape that does not fit the cache.
+        ValueError: a shape that does not fit the cache, or an unknown ``impl``.
     """
     cfg = cache.config
+    if impl not in IMPLS:
+        raise ValueError(f"`impl` must be one of {IMPLS}, got {impl!r}: the XLA loop or the Pallas kernel.")
     q = jnp.asarray(q) if not isinstance(q, jax.Array) else q
     batch, heads = cache.lengths.shape[0], cache.k_codes.shape[2]
     if q.ndim != 4 or q.shape[0] != batch or q.shape[1] < 1:
@@ -641,7 +739,7 @@ def attend(cache: KVCache, q) -> "Float[Array, 'batch q_len q_heads head_dim']":
         )
     if not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"`q` must be floating, got {q.dtype}.")
-    return _attend_jit(cache, q)
+    return _attend_jit(cache, q, impl=impl)
 
 
 # --------------------------------------------------------------------------- export / load
