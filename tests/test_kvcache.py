@@ -336,7 +336,7 @@ def blob_of(header):
     norm_size = 4 if header.norm_dtype == "float32" else 2
     body = b"".join(struct.pack("<q", n) + bytes(n) + struct.pack("<q", v * norm_size) + bytes(v * norm_size)
                     for n, (_, _, _, _, v) in zip(sizes, header.segments()))
-    raw = struct.pack("<q", 0) if header.version == 2 else b""
+    raw = struct.pack("<q", header.raw_nbytes()) + bytes(header.raw_nbytes()) if header.version == 2 else b""
     blob = tq_jax.wire.header_bytes(header) + body + raw
     assert len(blob) == tq_jax.wire.blob_nbytes(header)
     return blob
@@ -353,8 +353,7 @@ def test_load_rejects_blobs_of_another_config(small):
         "value bits": good._replace(version=2, value_bits=2, kv_layout=True),
         "rotation": good._replace(rotation="hadamard", **v2),
         "seed": good._replace(seed=12),
-        "float32 norms": good._replace(norm_dtype="float32", **v2),
-        "norm correction": good._replace(norm_correction=True, **v2),
+        "raw layers": good._replace(skip_first=1, kv_layout=True, **v2),
         "shape": good._replace(shape=(2, 5, H, D)),
         "at most 20": good._replace(shape=(2, 1, 21, H, D)),
     }
@@ -426,3 +425,43 @@ def test_default_block_fills_about_block_bytes_of_float32_keys():
         per_token = batch * heads * dim * 4
         assert block * per_token <= kvcache.BLOCK_BYTES or block == 16
         assert 2 * block * per_token > kvcache.BLOCK_BYTES or block == kvcache.BLOCK_TOKENS
+
+
+@pytest.mark.parametrize("preset", ["turbo-3.5", "turbo-2.5"])
+def test_load_of_a_turbo_blob_attends_as_its_decoded_values(preset):
+    """Log-coded norms are decoded and norm correction folded into the float16 norm:
+    the cache then attends over what tq_jax.loads decodes, to float16 rounding."""
+    opts = tq_jax.PRESETS[preset]
+    rng = np.random.default_rng(3)
+    t = 21
+    k = (rng.standard_normal((t, H, D)) * np.linspace(0.2, 3, t)[:, None, None]).astype(np.float32)
+    v = rng.standard_normal((t, H, D)).astype(np.float32)
+    k[4, 1] = 0.0  # a zero vector: code 0, norm 0
+    blob = tq_jax.dumps(np.stack([k, v])[:, None], **opts)
+    h = tq_jax.peek_header(blob)
+    assert h.norm_bits and h.norm_correction and h.checksum
+    cache = kvcache.init(1, 32, H, D, opts["key_bits"], opts["value_bits"], opts["rotation"], seed=42,
+                         dtype=jnp.float32, block_tokens=16)
+    cache = kvcache.load(cache, blob)
+    assert int(cache.lengths[0]) == t
+    kv = np.asarray(tq_jax.loads(blob, dtype=jnp.float32))
+    q = rng.standard_normal((1, 2, H, D)).astype(np.float32)
+    ref = dense_attention(q[0], kv[0, 0], kv[1, 0])
+    out = np.asarray(kvcache.attend(cache, q))[0]
+    np.testing.assert_allclose(out, ref, rtol=2e-3, atol=2e-3 * np.abs(ref).max())
+    # the sequence exports as float16 norms: same codes, values within a float16 rounding
+    back = np.asarray(tq_jax.loads(kvcache.export(cache), dtype=jnp.float32))
+    np.testing.assert_allclose(back, kv, rtol=0, atol=1e-3 * np.abs(kv).max(axis=-1, keepdims=True).max())
+    assert np.all(back[0, 0, 4, 1] == 0)
+
+
+def test_load_of_float32_norms_rounds_them_as_dumps_does_for_float16():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 1, 9, H, D)).astype(np.float32)
+    wide = tq_jax.dumps(x, bits=4, seed=11, norm_dtype="float32")
+    assert tq_jax.peek_header(wide).norm_dtype == "float32"
+    cache = kvcache.load(kvcache.init(1, 16, H, D, 4, 4, "haar", seed=11, dtype=jnp.float32), wide)
+    assert kvcache.export(cache) == tq_jax.dumps(x, bits=4, seed=11, norm_dtype="float16")
+    huge = tq_jax.dumps(x * 1e4, bits=4, seed=11, norm_dtype="float32")
+    with pytest.raises(tq_jax.NormOverflowError, match="exceed float16"):
+        kvcache.load(cache, huge)

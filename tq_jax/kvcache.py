@@ -868,30 +868,72 @@ def _check_blob(cfg: CacheConfig, h: _wire.Header, limit: int, where: str) -> in
             raise ValueError(f"blob has {name} {got!r} but the cache uses {expect!r}: its codes mean something else; {fix}.")
     unsupported = [
         ("a QJL residual", h.use_qjl),
-        ("float32 norms", h.norm_dtype != "float16"),
-        ("norm correction", h.norm_correction),
         ("raw layers", h.skip_first or h.skip_last),
     ]
     for what, present in unsupported:
         if present:
-            raise ValueError(f"blob uses {what}, which the cache (float16 norms, plain codes) cannot hold: {fix}.")
+            raise ValueError(f"blob uses {what}, which the cache (codes and one norm per vector) cannot hold: {fix}.")
     t = h.shape[2]
     if t > limit:
         raise ValueError(f"blob holds {t} tokens but {where} holds at most {limit}.")
     return t
 
 
+def _float_norms(norms) -> np.ndarray:
+    """One segment's norms as floats: float16/float32 as stored, log codes decoded."""
+    if isinstance(norms, _wire.NormCodes):
+        return _codec.decode_log_norms(norms.ranges, norms.codes, norms.bits, norms.count)
+    return norms
+
+
+def _centroid_norms(codes: np.ndarray, config: _codec.CodecConfig) -> np.ndarray:
+    """float32 ``|c|`` of each stored centroid vector (rows ``(..., row)``): the factor
+    a norm-corrected blob's decoder divides by. The rotation keeps lengths, so decoding
+    with unit norms and taking the length gives it."""
+    unit = _codec.decode(_codec.Encoded(codes, np.ones(codes.shape[:-1], np.float32)), config, jnp.float32)
+    return np.asarray(jnp.sqrt(jnp.sum(jnp.square(unit), axis=-1)))
+
+
+def _cache_norms(norms: np.ndarray, codes: np.ndarray, config: _codec.CodecConfig, corrected: bool) -> np.ndarray:
+    """The cache's float16 norms for a blob's norms (float16 kept as they are).
+
+    A norm-corrected blob decodes ``norm * R^T c / |c|``; the cache decodes
+    ``norm * R^T c``, so ``norm / |c|`` is stored (one float16 rounding).
+    """
+    if norms.dtype == np.float16 and not corrected:
+        return norms
+    n = norms.astype(np.float32)
+    if corrected:
+        c = _centroid_norms(codes, config)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            n = np.where(c > 0, n / c, n)  # an all-zero centroid vector decodes as 0 either way
+    n16 = n.astype(np.float16)
+    over = np.isfinite(n) & np.isinf(n16)
+    if over.any():
+        raise _blob.NormOverflowError(
+            f"{int(over.sum())} of the blob's norms exceed float16 (largest {float(n[over].max()):.6g}), "
+            f"the cache's norm dtype: they cannot be loaded. Decode the blob with tq_jax.loads instead."
+        )
+    return n16
+
+
 def _rows(p: _wire.Parsed, cfg: CacheConfig, t: int):
-    """(kc, kn, vc, vn) host arrays ``(t, H, row)`` / ``(t, H)`` of a parsed blob."""
+    """(kc, kn, vc, vn) host arrays ``(t, H, row)`` / ``(t, H)`` of a parsed blob, norms
+    as the cache stores them (float16, norm correction folded in)."""
     rk, rv = cfg.key_codec.row_nbytes, cfg.value_codec.row_nbytes
     h = cfg.kv_heads
+    norms = [_float_norms(n) for n in p.norms]
     if len(p.indices) == 1:
-        stream, norms = p.indices[0], p.norms[0]
+        stream, norms = p.indices[0], norms[0]
         kc, vc = stream[: t * h * rk], stream[t * h * rk :]
         kn, vn = norms[: t * h], norms[t * h :]
     else:
-        (kc, vc), (kn, vn) = p.indices, p.norms
-    return kc.reshape(t, h, rk), kn.reshape(t, h), vc.reshape(t, h, rv), vn.reshape(t, h)
+        (kc, vc), (kn, vn) = p.indices, norms
+    kc, vc = kc.reshape(t, h, rk), vc.reshape(t, h, rv)
+    nc = p.header.norm_correction
+    kn = _cache_norms(kn.reshape(t, h), kc, cfg.key_codec, nc)
+    vn = _cache_norms(vn.reshape(t, h), vc, cfg.value_codec, nc)
+    return kc, kn, vc, vn
 
 
 def _pad(a: np.ndarray, n: int) -> np.ndarray:
@@ -922,15 +964,20 @@ _load_jit = jax.jit(_load_impl)
 def load(cache: KVCache, blob, seq: int = 0, page: int | None = None) -> KVCache:
     """Copy a TQ01 blob's codes and norms into one sequence (or one page of it).
 
-    Nothing is re-quantized: the cache then holds the blob's exact bytes, so
-    :func:`export` gives the blob back (when it records the cache's dtype) and
-    :func:`attend` reads what the blob's writer stored.
+    The codes are copied, never re-quantized. A blob with float16 norms (what
+    :func:`export` and v1 writers produce) is held exactly, so :func:`export` gives it
+    back (when it records the cache's dtype) and :func:`attend` reads what its writer
+    stored. Other norm encodings become the cache's float16 norms with one rounding:
+    float32 norms, log-coded norms (``norm_bits``, the ``turbo-*`` presets) decoded,
+    and norm correction folded into the norm (``norm / |c|``: the cache then decodes
+    what the blob's decoder does). Such a sequence exports as float16 norms.
 
     Args:
         cache: the cache (concrete: call outside ``jit``).
         blob: TQ01 bytes of ``[2, 1, T, kv_heads, head_dim]`` written with the cache's
-            ``key_bits``, ``value_bits``, ``rotation`` and ``seed`` and float16 norms
-            (what :func:`export` writes). Its recorded dtype is not checked: the codes
+            ``key_bits``, ``value_bits``, ``rotation`` and ``seed`` (what :func:`export`
+            writes, or ``tq_jax.dumps`` with a ``turbo-*`` preset whose bits and
+            rotation the cache shares). Its recorded dtype is not checked: the codes
             do not depend on it after encoding.
         seq: the sequence.
         page: None: the blob replaces the whole sequence (its length becomes T).
@@ -945,8 +992,9 @@ def load(cache: KVCache, blob, seq: int = 0, page: int | None = None) -> KVCache
 
     Raises:
         WireError: the blob is malformed.
+        NormOverflowError: a float32 norm (or folded norm) exceeds float16.
         ValueError: a blob of another shape/head_dim/kv_heads/bits/rotation/seed, with
-            QJL, float32 norms, norm correction or raw layers; longer than
+            QJL or raw layers; longer than
             ``max_len`` (or than a page); a page that would leave a gap; a pool
             without enough free pages.
     """
