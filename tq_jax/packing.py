@@ -35,7 +35,16 @@ import numpy as np
 if TYPE_CHECKING:  # annotations only; jaxtyping is not a runtime dependency
     from jaxtyping import Array, UInt8, UInt32
 
-__all__ = ["pack", "unpack", "pack_planes", "unpack_planes", "unpack_groups", "plane_count", "packed_nbytes", "BITS_RANGE"]
+__all__ = [
+    "pack",
+    "unpack",
+    "pack_planes",
+    "unpack_groups",
+    "plane_count",
+    "plane_order",
+    "packed_nbytes",
+    "BITS_RANGE",
+]
 
 BITS_RANGE = range(1, 9)
 _GROUP = 8  # indices per group; a group packs into exactly `bits` bytes
@@ -168,9 +177,10 @@ def unpack(packed: UInt8[Array, "*batch nbytes"], bits: int, n: int) -> UInt8[Ar
 # indices — the fewest that fill whole bytes (G = 2 at 4 bits: one byte) — and
 # *plane* ``i`` collects index ``i`` of every group: ``planes[..., i, g]`` is the
 # natural index ``g*G + i``. Each packed byte is then an OR of shifted planes (no
-# interleaving of indices), and unpacking is one broadcast shift. The rotation's
-# rows are permuted once to produce (and consume) coordinates in that order, so the
-# permutation costs nothing per vector. Needs ``n % G == 0``, i.e. byte-aligned rows.
+# interleaving of indices). The encoder's rotation rows are permuted once to produce
+# coordinates in that order, so the permutation costs nothing per vector. The decoder
+# reads byte-aligned rows back in natural order, grouped (:func:`unpack_groups`).
+# Both need ``n % G == 0``, i.e. byte-aligned rows.
 
 
 def plane_count(bits: int) -> int:
@@ -235,34 +245,6 @@ def _check_rows(fn: str, shape, bits: int, n: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "n"))
-def unpack_planes(packed: UInt8[Array, "*batch nbytes"], bits: int, n: int) -> UInt8[Array, "*batch G m"]:
-    """Inverse of :func:`pack_planes`: the planes of the ``n`` indices in each row.
-
-    Args:
-        packed: uint8 ``(..., n*bits/8)`` byte-aligned rows.
-        bits: width of one index, 1..8 (static).
-        n: indices per row (static), a multiple of ``plane_count(bits)``.
-
-    Returns:
-        uint8 ``(..., G, n/G)``.
-    """
-    packed = jnp.asarray(packed, jnp.uint8)
-    g = _check_rows("unpack_planes", packed.shape, bits, n)
-    per_group = g * bits // 8
-    mask = jnp.uint8((1 << bits) - 1)
-    if per_group == 1:
-        shifts = jnp.arange(0, 8, bits, dtype=jnp.uint8)[:, None]
-        return jnp.right_shift(packed[..., None, :], shifts) & mask  # unsigned: logical
-    v = packed.reshape(*packed.shape[:-1], n // g, per_group)
-    out = [None] * g
-    for i, j, s in _overlaps(bits, g):
-        b = v[..., j]
-        piece = lax.shift_right_logical(b, jnp.uint8(s)) if s >= 0 else lax.shift_left(b, jnp.uint8(-s))
-        out[i] = piece if out[i] is None else out[i] | piece
-    return jnp.stack(out, axis=-2) & mask
-
-
-@functools.partial(jax.jit, static_argnames=("bits", "n"))
 def unpack_groups(packed: UInt8[Array, "*batch nbytes"], bits: int, n: int) -> UInt32[Array, "*batch m G"]:
     """:func:`unpack` of byte-aligned rows, shaped ``(..., n/G, G)`` with
     ``G = plane_count(bits)``: ``out[..., k, i]`` is index ``k*G + i`` (natural order).
@@ -270,8 +252,8 @@ def unpack_groups(packed: UInt8[Array, "*batch nbytes"], bits: int, n: int) -> U
     Each group's ``G*bits/8`` bytes (1 to 7) are read as one or two little-endian
     uint32 words, and lane ``i`` shifts its index out of them by a constant amount.
     Shifts of 32 or more give 0 in XLA, which drops the word a lane does not
-    overlap. One element-wise loop, vectorized across the lanes; unlike the planes,
-    the output needs no transpose back to natural order.
+    overlap. One element-wise loop, vectorized across the lanes; the output is in
+    natural order, so it needs no transpose back from planes.
 
     Args:
         packed: uint8 ``(..., n*bits/8)`` byte-aligned rows.
