@@ -65,6 +65,14 @@ __all__ = [
     "VERSION_2",
     "NormCodes",
     "NORM_BITS",
+    "DTYPES",
+    "NORM_DTYPES",
+    "ROTATION_CODES",
+    "seed32",
+    "dtype_name",
+    "Sections",
+    "pieces",
+    "write_into",
     "header_bytes",
     "header_nbytes",
     "serialized_size",
@@ -265,10 +273,17 @@ class Parsed(NamedTuple):
     raw: np.ndarray  # uint8 (raw_nbytes,)
 
 
-def _seed32(seed: int) -> int:
-    """The signed int32 the header stores; torch seeds by the low 32 bits too."""
+def seed32(seed: int) -> int:
+    """The signed int32 the header stores for ``seed``: its low 32 bits, two's complement.
+
+    torch seeds by the low 32 bits too, so ``seed`` and ``seed32(seed)`` name the same
+    rotation. Examples: ``seed32(-5) == -5``, ``seed32(2**32 + 42) == 42``.
+    """
     s = int(seed) & 0xFFFFFFFF
     return s - (1 << 32) if s >= (1 << 31) else s
+
+
+_seed32 = seed32  # the private name other modules used before seed32 was public
 
 
 def dense_dim(dim: int, rotation: str = "haar") -> int:
@@ -317,12 +332,17 @@ def serialized_size(shape, dtype: str, bits: int, *, use_qjl: bool = False, qjl_
     Computed from the layout alone (no data), so an LMCache ``estimate_serialized_size``
     built on it is exact. For version-2 settings see :func:`tq_jax.blob.serialized_size`.
     """
-    dtype = _dtype_name(dtype)
+    dtype = dtype_name(dtype)
     h = Header(bits, 0, tuple(int(s) for s in shape), dtype, use_qjl, qjl_sketch_size)
     return blob_nbytes(h)
 
 
-def _dtype_name(dtype) -> str:
+def dtype_name(dtype) -> str:
+    """The TQ01 name (one of :data:`DTYPES`) of ``dtype``: a name, numpy dtype or ``torch.*``.
+
+    Raises:
+        ValueError: ``dtype`` is not bfloat16, float16 or float32.
+    """
     name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
     name = name.replace("torch.", "")
     if name not in DTYPES:
@@ -333,13 +353,16 @@ def _dtype_name(dtype) -> str:
     return name
 
 
+_dtype_name = dtype_name  # the private name other modules used before dtype_name was public
+
+
 def header_bytes(header: Header) -> bytes:
     """The header of ``header`` up to (not including) the first section length."""
-    dtype = _dtype_name(header.dtype).encode("ascii")
+    dtype = dtype_name(header.dtype).encode("ascii")
     shape = tuple(int(s) for s in header.shape)
     if header.version == VERSION_1:
         prefix = _PREFIX.pack(
-            MAGIC, VERSION_1, header.bits, int(bool(header.use_qjl)), header.qjl_sketch_size, _seed32(header.seed)
+            MAGIC, VERSION_1, header.bits, int(bool(header.use_qjl)), header.qjl_sketch_size, seed32(header.seed)
         )
     else:
         flags = (
@@ -359,13 +382,242 @@ def header_bytes(header: Header) -> bytes:
             vb,
             header.skip_first,
             header.skip_last,
-            _seed32(header.seed),
+            seed32(header.seed),
         )
         if header.norm_bits:
             prefix += struct.pack("<B", header.norm_bits)
     return b"".join(
         (prefix, struct.pack(f"<B{len(shape)}q", len(shape), *shape), struct.pack("<B", len(dtype)), dtype)
     )
+
+
+# ----------------------------------------------------------------------------------
+# Writing: the inverse of parse, checked against the parser's own view of the header
+# ----------------------------------------------------------------------------------
+
+
+class Sections(NamedTuple):
+    """The sections of a blob, to write with :func:`pieces` (the mirror of :class:`Parsed`).
+
+    Attributes:
+        indices: one entry per :meth:`Header.segments` entry (one for version 1): a
+            sequence of bytes-like chunks (bytes, memoryview, C-contiguous uint8 arrays)
+            whose concatenation is that segment's LSB-first index stream.
+        norms: one entry per segment: a float16/float32 ndarray of the segment's
+            ``n_vectors`` norms in the header's ``norm_dtype`` (float16 for version 1),
+            or a :class:`NormCodes` when ``header.norm_bits`` (its ``ranges`` are written
+            as little-endian float32, then its ``codes``).
+        raw: bytes-like pieces whose concatenation is the raw edge layers (version 2;
+            empty otherwise), in wire order: per group, the first then the last layers.
+        sketch: version 1 with ``use_qjl``: int8 (num_vectors, m) QJL sketch.
+        residual_norms: version 1 with ``use_qjl``: float16 (num_vectors,) residual norms.
+    """
+
+    indices: list
+    norms: list
+    raw: tuple = ()
+    sketch: np.ndarray | None = None
+    residual_norms: np.ndarray | None = None
+
+    @classmethod
+    def from_parsed(cls, parsed: Parsed) -> Sections:
+        """The sections of a parsed blob: ``pieces(p.header, Sections.from_parsed(p))``
+        rebuilds the blob byte for byte."""
+        return cls(
+            [[i] for i in parsed.indices],
+            list(parsed.norms),
+            (parsed.raw,) if len(parsed.raw) else (),
+            parsed.sketch,
+            parsed.residual_norms,
+        )
+
+
+def _byte_view(obj, what: str) -> memoryview:
+    """A flat byte view of ``obj`` (no copy for bytes-like objects and contiguous arrays)."""
+    if isinstance(obj, np.ndarray):
+        obj = np.ascontiguousarray(obj).reshape(-1).view(np.uint8)
+    try:
+        mv = memoryview(obj)
+    except TypeError:
+        raise TypeError(
+            f"wire.pieces: {what} must be bytes-like (bytes, memoryview, numpy array), got "
+            f"{type(obj).__name__}; convert it with numpy.asarray first."
+        ) from None
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+
+
+def _check_length(n: int, expected: int, what: str) -> None:
+    if n != expected:
+        raise SectionLengthError(
+            f"wire.pieces: the {what} section holds {n} bytes but the header's shape and bits "
+            f"imply {expected}: refusing to write a blob the parser would refuse. Encode the "
+            f"tensor the header describes (or build the header from the encoded tensor)."
+        )
+
+
+def _float_norms(norms, dtype: str, n_vec: int, what: str) -> memoryview:
+    if isinstance(norms, NormCodes) or not isinstance(norms, np.ndarray):
+        raise TypeError(
+            f"wire.pieces: {what} must be a {dtype} ndarray (the header has norm_bits = 0), "
+            f"got {type(norms).__name__}."
+        )
+    if norms.dtype != np.dtype(dtype):
+        raise ValueError(
+            f"wire.pieces: {what} are {norms.dtype} but the header stores {dtype} norms: cast "
+            f"them with .astype({dtype!r}) (or set the header's norm_dtype)."
+        )
+    mv = _byte_view(norms, what)
+    _check_length(len(mv), n_vec * np.dtype(dtype).itemsize, what)
+    return mv
+
+
+def _coded_norms(norms, header: Header, n_vec: int, what: str) -> list:
+    if not isinstance(norms, NormCodes):
+        raise TypeError(
+            f"wire.pieces: {what} must be a wire.NormCodes (the header has norm_bits = "
+            f"{header.norm_bits}), got {type(norms).__name__}."
+        )
+    groups = header.norm_groups(n_vec)
+    if norms.bits != header.norm_bits or norms.count != n_vec:
+        raise ValueError(
+            f"wire.pieces: {what} hold {norms.count} codes of {norms.bits} bits, but the header "
+            f"implies {n_vec} codes of norm_bits = {header.norm_bits}."
+        )
+    ranges = np.asarray(norms.ranges)
+    if ranges.shape != (groups, 2):
+        raise ValueError(
+            f"wire.pieces: {what} ranges have shape {ranges.shape}, but the header implies "
+            f"({groups}, 2): one (lo, hi) per norm group (Header.norm_groups)."
+        )
+    rb = _byte_view(np.ascontiguousarray(ranges, "<f4"), what + " ranges")
+    cb = _byte_view(norms.codes, what + " codes")
+    _check_length(len(rb) + len(cb), header.norms_nbytes(n_vec), what)
+    return [rb, cb]
+
+
+def _canonical(header: Header) -> Header:
+    """``header`` as :func:`parse` reads it back from :func:`header_bytes` (for comparison)."""
+    h = header._replace(
+        seed=seed32(header.seed), shape=tuple(int(s) for s in header.shape), dtype=dtype_name(header.dtype)
+    )
+    if h.version == VERSION_2:
+        return h._replace(value_bits=h.bits if h.value_bits is None else h.value_bits)
+    return h
+
+
+def pieces(header: Header, sections: Sections) -> list:
+    """The blob of ``header`` and ``sections`` as byte pieces in wire order (zero-copy).
+
+    The pieces are: the header bytes, then every section as its i64 length and its
+    data (the given buffers as memoryviews, never concatenated), then the CRC32
+    trailer when ``header.checksum``. ``b"".join(pieces(h, s))`` is the blob;
+    :func:`write_into` copies the pieces into a preallocated buffer.
+
+    Invariants: the header is read back by the parser's own header check, and every
+    section's length is checked against the one :func:`parse` expects for that header,
+    so whatever this returns parses (writer and parser cannot drift).
+
+    Raises:
+        ValueError: the header is one the parser refuses (a :class:`WireError`) or one
+            its bytes cannot carry (e.g. a version-1 header with version-2 fields);
+            :class:`SectionLengthError`: a section's length disagrees with the header;
+            other ``ValueError``s: wrong norm dtype, section count or norm-code shape.
+        TypeError: a section is not bytes-like, or norms are of the wrong kind.
+    """
+    hb = header_bytes(header)
+    try:
+        parsed = _read_header(_Reader(memoryview(hb)), verify=False)
+    except WireError as e:
+        raise ValueError(f"wire.pieces: refusing to write a header the parser refuses: {e}") from e
+    if parsed != _canonical(header):
+        raise ValueError(
+            f"wire.pieces: the TQ01 version-{header.version} header cannot carry {header}; it "
+            f"would be read back as {parsed}. Use version 2 for per-group bits, raw layers, "
+            f"the structured rotation, float32 or coded norms, norm correction and checksums."
+        )
+    h = parsed
+    segments = h.segments()
+    if len(sections.indices) != len(segments) or len(sections.norms) != len(segments):
+        raise ValueError(
+            f"wire.pieces: the header has {len(segments)} segment(s) (Header.segments), got "
+            f"{len(sections.indices)} index and {len(sections.norms)} norm entries."
+        )
+    out = [hb]
+    for (g, bits, _, _, n_vec), chunks, norms in zip(segments, sections.indices, sections.norms):
+        name = "" if g is None else f" group {g}"
+        views = [_byte_view(c, f"indices{name} chunk") for c in chunks]
+        n = sum(len(v) for v in views)
+        _check_length(n, (n_vec * h.dim * bits + 7) // 8, f"indices{name}")
+        out.append(_I64.pack(n))
+        out.extend(views)
+        if h.norm_bits:
+            nv = _coded_norms(norms, h, n_vec, f"norms{name}")
+        else:
+            nv = [_float_norms(norms, h.norm_dtype, n_vec, f"norms{name}")]
+        out.append(_I64.pack(sum(len(v) for v in nv)))
+        out.extend(nv)
+    if h.version == VERSION_1:
+        if len(sections.raw) and any(len(_byte_view(r, "raw")) for r in sections.raw):
+            raise ValueError("wire.pieces: a version-1 blob has no raw layers section; use version 2.")
+        if h.use_qjl:
+            if sections.sketch is None or sections.residual_norms is None:
+                raise ValueError("wire.pieces: the header sets use_qjl but the sections carry no QJL sketch.")
+            _, _, sk_n, rn_n = section_sizes(h.shape, h.bits, True, h.qjl_sketch_size)
+            sk = np.asarray(sections.sketch)
+            if sk.dtype != np.int8:
+                raise ValueError(f"wire.pieces: the QJL sketch must be int8, got {sk.dtype}.")
+            skv = _byte_view(sk, "QJL sketch")
+            _check_length(len(skv), sk_n, "QJL sketch")
+            rnv = _float_norms(np.asarray(sections.residual_norms), "float16", h.num_vectors, "QJL residual norms")
+            _check_length(len(rnv), rn_n, "QJL residual norms")
+            out += [_I64.pack(sk_n), skv, _I64.pack(rn_n), rnv]
+        elif sections.sketch is not None or sections.residual_norms is not None:
+            raise ValueError("wire.pieces: the sections carry a QJL sketch but the header has use_qjl = False.")
+    else:
+        if sections.sketch is not None or sections.residual_norms is not None:
+            raise ValueError("wire.pieces: a version-2 blob has no QJL sections.")
+        raw = [_byte_view(r, "raw layers piece") for r in sections.raw]
+        n = sum(len(v) for v in raw)
+        _check_length(n, h.raw_nbytes(), "raw layers")
+        out.append(_I64.pack(n))
+        out.extend(raw)
+        if h.checksum:
+            crc = 0
+            for b in out:
+                crc = zlib.crc32(b, crc)
+            out.append(_U32.pack(crc))
+    return out
+
+
+def write_into(pieces: list, out) -> int:
+    """Copy ``pieces`` (from :func:`pieces`) back to back into ``out``; return the bytes written.
+
+    Args:
+        pieces: bytes-like pieces.
+        out: a writable buffer (memoryview, bytearray, uint8 array) of at least
+            ``sum(len(p) for p in pieces)`` bytes; bytes past that are left untouched.
+
+    Raises:
+        ValueError: ``out`` is too small (nothing is written).
+        TypeError: ``out`` is read-only.
+    """
+    mv = memoryview(out)
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    if mv.readonly:
+        raise TypeError("wire.write_into: `out` is read-only; pass a writable buffer (bytearray, memoryview).")
+    views = [_byte_view(p, "piece") for p in pieces]
+    total = sum(len(v) for v in views)
+    if total > len(mv):
+        raise ValueError(
+            f"wire.write_into: the blob needs {total} bytes but `out` holds {len(mv)}; size it "
+            f"with tq_jax.serialized_size (or wire.blob_nbytes of the header)."
+        )
+    off = 0
+    for v in views:
+        mv[off : off + len(v)] = v
+        off += len(v)
+    return off
 
 
 class _Reader:
