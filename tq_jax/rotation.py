@@ -69,12 +69,16 @@ __all__ = [
     "structured_rotation",
     "qjl_matrix",
     "KERNELS",
+    "ROTATIONS",
     "QJL_SEED_OFFSET",
     "SIGN_SEED_XOR",
 ]
 
 KERNELS = ("avx2", "scalar")
-QJL_SEED_OFFSET = 999999  # tqai.quantizer.PolarQuantizer._build_jl_matrix
+# The rotations a TQ01 blob can name: "haar" (haar_rotation, the reference's; version 1)
+# and "hadamard" (structured_rotation; version 2). tq_jax.wire maps them to header codes.
+ROTATIONS = ("haar", "hadamard")
+QJL_SEED_OFFSET = 999999  # the QJL matrix's seed is seed + this: tqai.quantizer.PolarQuantizer._build_jl_matrix
 SIGN_SEED_XOR = 0x5A5A5A5A  # the structured rotation's sign stream: MT19937(seed32 ^ this)
 _SEED_MASK = 0xFFFFFFFF
 _BLOCK = 16  # torch's normal_fill works on blocks of 16 uniforms
@@ -90,9 +94,9 @@ _SEED_ERROR = (
     "low 32 bits of the two's-complement value). Pass the seed stored in the blob."
 )
 _QJL_SEED_ERROR = (
-    "QJL seed {seed} + 999999 = {total} is negative, and numpy's default_rng (which the "
-    "reference uses for the QJL matrix) refuses negative seeds, so no reference blob "
-    "can carry it. Use a seed >= -999999."
+    f"QJL seed {{seed}} + {QJL_SEED_OFFSET} = {{total}} is negative, and numpy's default_rng (which the "
+    f"reference uses for the QJL matrix) refuses negative seeds, so no reference blob "
+    f"can carry it. Use a seed >= -{QJL_SEED_OFFSET}."
 )
 
 

@@ -42,6 +42,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from tq_jax.rotation import QJL_SEED_OFFSET, ROTATIONS
+
 __all__ = [
     "MAGIC",
     "VERSION_1",
@@ -105,7 +107,9 @@ _FLAGS_KNOWN = FLAG_CHECKSUM | FLAG_NORM_CORRECTION | FLAG_NORMS_F32 | FLAG_KV |
 NORM_BITS = range(2, 9)  # widths of log-coded norms
 # A log-coded norm group's range (lo, hi) is float32 ln(norm): exp(hi) must stay finite.
 MAX_LOG_NORM = 88.0
-ROTATION_CODES = {"haar": 0, "hadamard": 1}
+ROTATION_CODES = {"haar": 0, "hadamard": 1}  # the v2 header's rotation byte (a format fact)
+if set(ROTATION_CODES) != set(ROTATIONS):  # tq_jax.rotation owns the names: they cannot drift
+    raise ImportError(f"wire.ROTATION_CODES {ROTATION_CODES} must name exactly rotation.ROTATIONS {ROTATIONS}")
 _ROTATION_NAMES = {v: k for k, v in ROTATION_CODES.items()}
 MAX_SKIP_LAYERS = 0xFFFF
 _I64 = struct.Struct("<q")
@@ -115,7 +119,6 @@ MAX_NDIM = 16  # KV layouts use 2..6 axes
 MAX_DIM = 1 << 16  # head_dim
 MAX_ELEMENTS = 1 << 40  # total coordinates in one blob (1 TiB of indices at 8 bits)
 MAX_QJL_SKETCH = 1 << 12
-QJL_SEED_OFFSET = 999999  # the QJL matrix's seed is seed + this (tq_jax.rotation.qjl_matrix)
 # The decoder builds a dense float32 table from the header alone: the Haar rotation
 # (head_dim² entries; for "hadamard" only its odd factor m²) and the QJL matrix (m·d).
 # Built in float64 with a QR, a rotation costs ~64·d² bytes and O(d³) time, so a
@@ -360,6 +363,11 @@ def header_bytes(header: Header) -> bytes:
     """The header of ``header`` up to (not including) the first section length."""
     dtype = dtype_name(header.dtype).encode("ascii")
     shape = tuple(int(s) for s in header.shape)
+    if header.rotation not in ROTATION_CODES:
+        raise ValueError(
+            f"rotation must be one of {ROTATIONS}, got {header.rotation!r}: the header names its "
+            f"rotation by a code (wire.ROTATION_CODES)."
+        )
     if header.version == VERSION_1:
         prefix = _PREFIX.pack(
             MAGIC, VERSION_1, header.bits, int(bool(header.use_qjl)), header.qjl_sketch_size, seed32(header.seed)
