@@ -236,6 +236,40 @@ def test_golden_blobs_in_process_reference(torch, ref_codec):
     assert flips.max() <= 1 and flips.sum() <= 2
 
 
+# ------------------------------------------------------------- goldens alone
+
+# Every test that checks stored golden bytes, digests or fingerprints: none may need
+# the reference peer or torch, so that they run (not skip) on a machine without them.
+GOLDEN_TESTS = (
+    "tests/test_packing.py::test_golden_bytes",
+    "tests/test_interop.py::test_golden_blobs",
+    "tests/test_interop.py::test_seed_is_stored_as_low_32_bits_like_torch",
+    "tests/test_rotation.py::test_golden_digests",
+    "tests/test_rotation.py::test_the_two_kernels_differ_by_the_measured_amount",
+    "tests/test_codebook.py::test_matches_shipped_table_fingerprints",
+)
+# pytest with the peer and torch unimportable (``sys.modules[name] = None`` makes any
+# import of them raise ImportError, as on a machine without them).
+_WITHOUT_PEER = (
+    "import sys; sys.path.insert(0, ''); "
+    "sys.modules.update(dict.fromkeys(('torch', 'tqai', 'lmcache_turbo_quant_serde', 'lmcache'))); "
+    "import pytest; sys.exit(pytest.main(sys.argv[1:]))"
+)
+
+
+@pytest.mark.slow
+def test_goldens_run_without_the_peer_or_torch():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "CI"}  # CI would refuse the missing peer
+    got = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_PEER, "-q", "-p", "no:cacheprovider", *GOLDEN_TESTS],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    summary = got.stdout.strip().splitlines()[-1] if got.stdout.strip() else got.stderr[-3000:]
+    assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-3000:]
+    assert "skipped" not in summary and "passed" in summary, summary
+
+
 def test_seed_is_stored_as_low_32_bits_like_torch():
     x = _golden_input()
     assert tq_jax.dumps(x, bits=4, seed=42 + 2**32) == tq_jax.dumps(x, bits=4, seed=42)
