@@ -6,8 +6,9 @@
 in an ``AsyncSerdeProcessor``; :mod:`tq_jax.bridge.registry` does that wiring.
 
 Layout mapping (what is stored for a KV object)
-    Each group of the object's ``MemoryLayoutDesc`` is one TQ01 v1 blob whose last axis
-    is split into heads: ``[..., X]`` is stored as ``[..., X // head_dim, head_dim]``.
+    Each group of the object's ``MemoryLayoutDesc`` is one TQ01 blob (version 1 with the
+    default options, version 2 when an option needs it) whose last axis is split into
+    heads: ``[..., X]`` is stored as ``[..., X // head_dim, head_dim]``.
 
     * vLLM's ``[2, L, T, H*D]`` becomes ``[2, L, T, H, D]``, exactly what the reference
       plugin's ``TqaiSerializer`` writes, so its deserializer reads our blobs and ours
@@ -18,8 +19,9 @@ Layout mapping (what is stored for a KV object)
 
     A multi-group object (``len(layout.shapes) > 1``, one entry per kernel group in
     LMCache's multiprocess mode) is stored as one blob per group, back to back in group
-    order. TQ01 has no trailer and a blob's length follows from its header, so the
-    reader walks the blobs with ``peek_header`` + ``serialized_size``. A single-group
+    order. A blob's length, its optional CRC32 trailer (version 2, ``checksum``)
+    included, follows from its header alone, so the reader walks the blobs with
+    ``peek_header`` + ``wire.blob_nbytes``. A single-group
     object, vLLM's usual case, is exactly one blob.
 
 Sizes
@@ -32,8 +34,9 @@ Buffers longer than the blob
     ``deserialize`` takes each blob's length from its header, never from the buffer.
     Bytes after the last blob are ignored: LMCache hands the deserializer a buffer sized
     by the *reader's* estimate, and an adapter may round buffers up. Ignoring them is
-    safe because TQ01 has no trailer, the header fixes every section's length, and the
-    decoded shape is checked against the destination. A buffer *shorter* than the blob
+    safe because the header fixes every section's length and whether a CRC32 trailer
+    follows (so the blob's end is known without the buffer's), and the decoded shape is
+    checked against the destination. A buffer *shorter* than the blob
     its header declares is an error (``tq_jax.WireError``).
 
 Where the computation runs
@@ -87,7 +90,7 @@ DEVICE_CHOICES = ("cpu", "gpu", "tpu", "auto")
 # reads) so that every blob's size is known from the layout alone: the core's
 # norm_dtype="auto" would switch a blob with a norm above float16's range to float32 norms,
 # 2 bytes per vector longer than the estimate LMCache allocated.
-NORM_DTYPES = ("float16", "float32")
+NORM_DTYPES = tuple(_wire.NORM_DTYPES)
 AUTO_NORMS = (
     "norm_dtype='auto' is not available in the LMCache serde: it lengthens a blob when a norm "
     "overflows float16, and LMCache needs every blob to be exactly its estimated size. Use "
@@ -110,7 +113,7 @@ NOT_DIVISIBLE = (
     "Llama-3; for MLA / fused layouts [1, L, T, D] set head_dim to D, e.g. 576)."
 )
 UNSUPPORTED_DTYPE = (
-    "KV group {group} has dtype {dtype}, which TQ01 version 1 cannot record: it encodes "
+    "KV group {group} has dtype {dtype}, which TQ01 cannot record: it encodes "
     "bfloat16, float16 and float32 tensors. Run the model with one of those KV-cache "
     "dtypes, or use another serde (e.g. LMCache's fp8) for this adapter."
 )
@@ -301,8 +304,14 @@ class TQJaxSerializer(Serializer):
     """Encodes KV ``MemoryObj``s into TQ01 blobs (see the module docstring).
 
     With the defaults every blob is TQ01 version 1, which the reference plugin reads;
-    any TQ01 v2 option (per-K/V bits, raw edge layers, the fast rotation, float32
-    norms, norm correction, checksum) writes version 2.
+    a non-default value of any version-2 option (per-K/V bits, raw edge layers, the
+    fast rotation, float32 norms, log-coded norms, norm correction, checksum) writes
+    version 2.
+
+    The keyword arguments are the codec rows of the bridge's option table
+    (:data:`tq_jax.bridge.registry.OPTIONS`): ``head_dim``, ``bits``, ``seed`` and every
+    :class:`tq_jax.Options` field, each checked by its row (same defaults, same errors
+    as the LMCache serde dict).
 
     Args:
         head_dim: vector length; the last axis of every group is split into
@@ -311,25 +320,22 @@ class TQJaxSerializer(Serializer):
         seed: rotation seed (int32 range); readers take it from the blob.
         device: ``"cpu"`` (default), ``"gpu"``, ``"tpu"``, ``"auto"``, optionally
             ``":index"``, or a ``jax.Device``.
-        **v2: :class:`tq_jax.Options` fields: ``key_bits``, ``value_bits`` (slot 0 / 1
-            of ``[2, L, T, ...]``; default ``bits``), ``skip_first_layers``,
-            ``skip_last_layers``, ``rotation``, ``norm_dtype`` ("float16" or
-            "float32"; not "auto"), ``norm_correction``, ``checksum``.
+        **options: :class:`tq_jax.Options` fields: ``key_bits``, ``value_bits`` (slot 0
+            / 1 of ``[2, L, T, ...]``; default ``bits``), ``skip_first_layers``,
+            ``skip_last_layers``, ``rotation``, ``norm_dtype`` ("float16", the default,
+            or "float32"; not "auto": blob sizes must follow from the layout),
+            ``norm_correction``, ``checksum``, ``norm_bits``, ...
 
     Raises:
-        ValueError: bad options, or a device that does not exist.
+        ValueError: a value out of range, a combination :class:`tq_jax.Options`
+            refuses, or a device that does not exist.
+        TypeError: a value of the wrong type, or an unknown keyword.
     """
 
-    def __init__(self, head_dim: int = 128, bits: int = 4, seed: int = 42, device="cpu", **v2) -> None:
-        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or not 2 <= head_dim <= _wire.MAX_DENSE_DIM:
-            # The dense Haar rotation of head_dim: readers refuse more (wire.MAX_DENSE_DIM).
-            raise ValueError(f"`head_dim` must be an int in 2..{_wire.MAX_DENSE_DIM}, got {head_dim!r}.")
-        if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**31) <= seed < 2**31:
-            raise ValueError(f"`seed` must be an int in the int32 range (TQ01 stores it as int32), got {seed!r}.")
-        v2.setdefault("norm_dtype", "float16")
-        if v2["norm_dtype"] not in NORM_DTYPES:
-            raise ValueError(AUTO_NORMS if v2["norm_dtype"] == "auto" else f"`norm_dtype` must be one of {NORM_DTYPES}, got {v2['norm_dtype']!r}.")
-        self.options = tq_jax.Options.make(bits, seed=seed, **v2)
+    def __init__(self, head_dim: int = 128, bits: int = 4, seed: int = 42, device="cpu", **options) -> None:
+        from tq_jax.bridge import registry  # the option table (registry imports this module)
+
+        self.options = registry.codec_options_for(head_dim=head_dim, bits=bits, seed=seed, **options)
         self.head_dim = head_dim
         self.bits = bits
         self.seed = seed
@@ -428,11 +434,8 @@ class TQJaxDeserializer(Deserializer):
 
 
 def _blob_nbytes(h: tq_jax.Header) -> int:
-    """A blob's full length, from its header alone (the core's own rule where it has one)."""
-    exact = getattr(_wire, "blob_nbytes", None)  # knows every version the parser reads
-    if exact is not None:
-        return exact(h)
-    return _wire.serialized_size(h.shape, h.dtype, h.bits, use_qjl=h.use_qjl, qjl_sketch_size=h.qjl_sketch_size)
+    """A blob's full length (trailer included), from its header alone."""
+    return _wire.blob_nbytes(h)
 
 
 def _check_shape(h: tq_jax.Header, dst_shape: tuple[int, ...], group: int) -> None:

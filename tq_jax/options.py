@@ -14,31 +14,88 @@ import dataclasses
 
 import numpy as np
 
+from tq_jax import codebook as _codebook
 from tq_jax import wire as _wire
 
-__all__ = ["Options", "NORM_DTYPES", "ROTATIONS", "PRESETS"]
+__all__ = ["Options", "NORM_DTYPES", "ROTATIONS", "PRESETS", "check_field", "describe_values"]
 
-NORM_DTYPES = ("auto", "float16", "float32")
+NORM_DTYPES = ("auto",) + tuple(_wire.NORM_DTYPES)
 ROTATIONS = tuple(_wire.ROTATION_CODES)
 _BITS_WHY = "it sets the codebook size 2**bits."
 _NORM_BITS_WHY = "0 keeps float norms; 2..8 store each norm as a code on a log-uniform grid of 2**norm_bits - 1 levels."
 
 
-def _int(value, name: str, lo: int, hi: int, why: str) -> int:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not lo <= value <= hi:
-        raise ValueError(f"`{name}` must be an int in {lo}..{hi}, got {value!r}: {why}")
-    return int(value)
+def _meta(help: str, version: int, *, values=None, off=None, why: str = "") -> dict:
+    """A field's schema: what it means (``help``), the TQ01 ``version`` that a non-default
+    value needs, its allowed ``values`` (a ``range`` of ints or a tuple of choices; None:
+    any value of the field's type), an ``off`` value accepted outside ``values`` (0 for
+    "feature off"), and ``why`` the constraint exists (quoted in errors)."""
+    return {"help": help, "version": version, "values": values, "off": off, "why": why}
 
 
-def _bool(value, name: str) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"`{name}` must be a bool, got {value!r}.")
-    return bool(value)
+def describe_values(values) -> str:
+    """``range(1, 9)`` → ``"1..8"``; a tuple of choices → its repr."""
+    if isinstance(values, range):
+        return f"{values.start}..{values.stop - 1}"
+    return repr(tuple(values))
+
+
+_TYPES = {"int": int, "bool": bool, "str": str}
+
+
+def field_type(f: dataclasses.Field) -> type:
+    """A field's Python type (``int``, ``bool`` or ``str``), annotations as strings or types."""
+    return _TYPES.get(f.type, f.type) if isinstance(f.type, str) else f.type
+
+
+def check_field(f: dataclasses.Field, value, name: str | None = None):
+    """``value`` validated and canonicalised against field ``f``'s type and metadata.
+
+    Args:
+        f: a field of :class:`Options` (or of a dataclass built the same way).
+        value: the value given.
+        name: the name to quote in an error (default ``f.name``; ``Options.make``
+            says ``bits`` when the caller said ``bits``).
+
+    Raises:
+        ValueError: the value has the wrong type or is outside the field's values; the
+            message names the field, the value and what is allowed.
+    """
+    name = name or f.name
+    m = f.metadata
+    kind = field_type(f)
+    why = f": {m['why']}" if m.get("why") else "."
+    if kind is bool:
+        if not isinstance(value, (bool, np.bool_)):
+            raise ValueError(f"`{name}` must be a bool, got {value!r}.")
+        return bool(value)
+    if kind is int:
+        if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
+            if m.get("values") is None:
+                raise ValueError(f"`{name}` must be an int, got {value!r}.")
+            raise ValueError(f"`{name}` must be an int in {describe_values(m['values'])}, got {value!r}{why}")
+        value = int(value)
+        if m.get("off") is not None and value == m["off"]:
+            return value
+        if m.get("values") is not None and value not in m["values"]:
+            raise ValueError(f"`{name}` must be an int in {describe_values(m['values'])}, got {value!r}{why}")
+        return value
+    if m.get("values") is not None and value not in m["values"]:
+        raise ValueError(f"`{name}` must be one of {describe_values(m['values'])}, got {value!r}{why}")
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
 class Options:
     """How to encode: every field a plain hashable scalar.
+
+    Each field is self-describing: ``dataclasses.fields(Options)`` gives its name, type,
+    default and ``metadata`` — ``help`` (one line), ``version`` (the TQ01 version a
+    non-default value needs), ``values`` (a ``range`` or a tuple of choices; None: any
+    value of the type), ``off`` (a value that turns the feature off, accepted outside
+    ``values``) and ``why`` (quoted in errors). Validation (:func:`check_field`, once,
+    in ``__post_init__``), the LMCache bridge's option table and the ``tq-jax compress``
+    flags are all generated from it, so a new option is one field here.
 
     Attributes:
         key_bits: bits per coordinate of group 0 (keys in LMCache's ``[2, L, ...]``), 1..8.
@@ -54,42 +111,40 @@ class Options:
         norm_correction: decoders rescale each centroid vector to unit length (v2).
         checksum: append a CRC32 over the whole blob, verified on load (v2).
         norm_bits: 0 (norms stored as ``norm_dtype`` floats) or 2..8: each vector's norm
-            becomes a ``norm_bits``-bit code on a log-uniform grid per layer (v2). At
-            head_dim 64 a float16 norm costs 0.25 bit per element, a 6-bit code 0.094.
+            becomes a ``norm_bits``-bit code on a log-uniform grid per (K/V, layer) (v2),
+            ``norm_bits`` bits per vector instead of 16 or 32.
     """
 
-    key_bits: int
-    value_bits: int
-    seed: int = 42
-    skip_first_layers: int = 0
-    skip_last_layers: int = 0
-    rotation: str = "haar"
-    norm_dtype: str = "auto"
-    norm_correction: bool = False
-    checksum: bool = False
-    norm_bits: int = 0
+    key_bits: int = dataclasses.field(metadata=_meta(
+        "bits per coordinate of group 0 (keys) of KV tensors [2, layers, ..., head_dim]; default: bits",
+        2, values=_codebook.BITS_RANGE, why=_BITS_WHY))
+    value_bits: int = dataclasses.field(metadata=_meta(
+        "bits per coordinate of group 1 (values); default: bits", 2, values=_codebook.BITS_RANGE, why=_BITS_WHY))
+    seed: int = dataclasses.field(default=42, metadata=_meta(
+        "rotation seed, recorded in every blob (its low 32 bits, as int32)", 1))
+    skip_first_layers: int = dataclasses.field(default=0, metadata=_meta(
+        "store the first N layers (axis 1) as their exact bytes", 2,
+        values=range(0, _wire.MAX_SKIP_LAYERS + 1), why="a count of layers kept raw."))
+    skip_last_layers: int = dataclasses.field(default=0, metadata=_meta(
+        "store the last N layers as their exact bytes", 2,
+        values=range(0, _wire.MAX_SKIP_LAYERS + 1), why="a count of layers kept raw."))
+    rotation: str = dataclasses.field(default="haar", metadata=_meta(
+        "haar (the reference's dense rotation) or hadamard (fast, structured)", 2, values=ROTATIONS,
+        why="'haar' is the reference's dense rotation, 'hadamard' the fast structured one (TQ01 v2)."))
+    norm_dtype: str = dataclasses.field(default="auto", metadata=_meta(
+        "float16 (v1), float32 (never overflows), or auto: float16 unless a norm overflows it, then float32",
+        2, values=NORM_DTYPES))
+    norm_correction: bool = dataclasses.field(default=False, metadata=_meta(
+        "decoders rescale centroid vectors to unit length", 2))
+    checksum: bool = dataclasses.field(default=False, metadata=_meta(
+        "append a CRC32 to every blob, verified on load", 2))
+    norm_bits: int = dataclasses.field(default=0, metadata=_meta(
+        "0: norms stored as floats; 2..8: each norm a code of that many bits on a log-uniform grid "
+        "per (K/V, layer)", 2, values=_wire.NORM_BITS, off=0, why=_NORM_BITS_WHY))
 
     def __post_init__(self):
-        object.__setattr__(self, "key_bits", _int(self.key_bits, "key_bits", 1, 8, _BITS_WHY))
-        object.__setattr__(self, "value_bits", _int(self.value_bits, "value_bits", 1, 8, _BITS_WHY))
-        if not isinstance(self.seed, (int, np.integer)) or isinstance(self.seed, bool):
-            raise ValueError(f"`seed` must be an int, got {self.seed!r}.")
-        object.__setattr__(self, "seed", int(self.seed))
-        for name in ("skip_first_layers", "skip_last_layers"):
-            object.__setattr__(
-                self, name, _int(getattr(self, name), name, 0, _wire.MAX_SKIP_LAYERS, "a count of layers kept raw.")
-            )
-        if self.rotation not in ROTATIONS:
-            raise ValueError(
-                f"`rotation` must be one of {ROTATIONS}, got {self.rotation!r}: 'haar' is the reference's "
-                f"dense rotation, 'hadamard' the fast structured one (TQ01 v2)."
-            )
-        if self.norm_dtype not in NORM_DTYPES:
-            raise ValueError(f"`norm_dtype` must be one of {NORM_DTYPES}, got {self.norm_dtype!r}.")
-        object.__setattr__(self, "norm_correction", _bool(self.norm_correction, "norm_correction"))
-        object.__setattr__(self, "checksum", _bool(self.checksum, "checksum"))
-        if self.norm_bits != 0:
-            object.__setattr__(self, "norm_bits", _int(self.norm_bits, "norm_bits", 2, 8, _NORM_BITS_WHY))
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, check_field(f, getattr(self, f.name)))
         if self.norm_bits and self.norm_dtype == "float32":
             raise ValueError(
                 "`norm_bits` and norm_dtype='float32' both say how to store norms: log codes (norm_bits 2..8) "
@@ -100,7 +155,7 @@ class Options:
     def make(cls, bits=None, *, key_bits=None, value_bits=None, **kwargs) -> "Options":
         """Options from ``bits`` (both groups) and/or ``key_bits``/``value_bits``."""
         if bits is not None and (key_bits is None or value_bits is None):  # named as the caller named it
-            bits = _int(bits, "bits", 1, 8, _BITS_WHY)
+            bits = check_field(_FIELDS["key_bits"], bits, "bits")
         kb = bits if key_bits is None else key_bits
         vb = bits if value_bits is None else value_bits
         if kb is None or vb is None:
@@ -183,6 +238,9 @@ class Options:
 
     def replace(self, **changes) -> "Options":
         return dataclasses.replace(self, **changes)
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Options)}
 
 
 # Named presets for LMCache's [2, L, T, ...] KV chunks; quality measured in docs/quality.md.
