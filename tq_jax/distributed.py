@@ -80,17 +80,45 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     caller beforehand is used as is. Must run before anything touches a JAX device.
     """
     import jax
-    from jax._src import distributed as _jd
 
-    if coordinator is not None or auto:
-        if _jd.global_state.client is None:
-            jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                                       process_id=process_id)
-    client = _jd.global_state.client
-    if client is None or jax.process_count() == 1:
+    if (coordinator is not None or auto) and not jax.distributed.is_initialized():
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                                   process_id=process_id)
+    if not jax.distributed.is_initialized() or jax.process_count() == 1:
         return None
-    return Cluster(jax.process_index(), jax.process_count(), client, int(timeout_s * 1000),
+    return Cluster(jax.process_index(), jax.process_count(), _coordination_client(), int(timeout_s * 1000),
                    f"tq_jax/run{next(_runs)}")
+
+
+_NO_CLIENT = (
+    "tq_jax.distributed needs the client of the coordination service that "
+    "jax.distributed.initialize starts (its key-value store and barriers), but this jax "
+    "({version}) does not keep it where jax 0.10 does (jax._src.distributed.global_state.client): "
+    "{why}. Run the job as one process, or use the jax version pinned in pyproject.toml."
+)
+
+
+def _coordination_client():
+    """The coordination-service client of an initialised ``jax.distributed`` job.
+
+    jax (0.10.2) has no public accessor for it: ``jax.distributed`` offers
+    ``initialize``/``is_initialized``/``shutdown`` only, and its own multihost
+    utilities read the private ``global_state``. This is the one place tq_jax reads a
+    private jax name; a jax that moves it raises an error saying so, not an
+    ``AttributeError`` mid-run.
+    """
+    import jax
+
+    try:
+        from jax._src.distributed import global_state
+
+        client = global_state.client
+    except (ImportError, AttributeError) as e:
+        raise RuntimeError(_NO_CLIENT.format(version=jax.__version__, why=f"{type(e).__name__}: {e}")) from e
+    if client is None:
+        raise RuntimeError(_NO_CLIENT.format(version=jax.__version__, why="jax.distributed is initialised but "
+                                             "global_state.client is None"))
+    return client
 
 
 def assign(sizes: list[int], count: int) -> list[int]:
