@@ -1,0 +1,18 @@
+"""The one error type of :mod:`tq_jax.batch`."""
+
+from __future__ import annotations
+
+__all__ = ["BatchError", "CliError"]
+
+
+class BatchError(Exception):
+    """A bad input or output file, or settings that do not fit it.
+
+    The message says what was wrong, with which file or tensor, and how to fix it, in
+    one line: ``tq-jax`` prints it as is and exits with status 1.
+    """
+
+
+# The name the command line caught before batch had its own error type; kept while
+# tq_jax.cli and its tests still use it.
+CliError = BatchError

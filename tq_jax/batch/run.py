@@ -1,0 +1,140 @@
+"""Running a plan in one process, with progress.
+
+:func:`run_local` produces each unit in plan order (:func:`produce`: copy, encode or
+decode one chunk) and streams it to the output's atomic writer, so memory holds about
+one chunk at a time; the output appears only once complete. :class:`Progress` reports
+input bytes done on stderr.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Callable
+
+import numpy as np
+
+from tq_jax import safetensors_io as st
+from tq_jax.batch.errors import BatchError
+from tq_jax.batch.writers import open_writer
+
+__all__ = ["byte_view", "produce", "Progress", "run_local"]
+
+
+def byte_view(data) -> memoryview:
+    """A flat byte view of bytes or an array (no copy for contiguous arrays)."""
+    if isinstance(data, np.ndarray):
+        data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    return memoryview(data).cast("B")
+
+
+def produce(src, unit, devices) -> np.ndarray | bytes:
+    """The output bytes of one :class:`~tq_jax.batch.plan.Unit` (exactly ``unit.nbytes``
+    for raw and decode units; an encode unit's blob may differ from its estimate).
+
+    Raises:
+        BatchError: a norm that float16 cannot hold (encode), or a corrupt blob (decode).
+    """
+    import tq_jax
+
+    where = f"{src.path}: tensor {unit.name!r}"
+    if unit.kind == "raw":
+        return src.read(unit.name, unit.start, unit.stop)
+    if unit.kind == "encode":
+        x = src.read(unit.name, unit.start, unit.stop).reshape(unit.shape)
+        try:
+            blob = tq_jax.dumps(x, unit.options, device=devices)
+        except tq_jax.NormOverflowError as e:
+            raise BatchError(f"{where}: {e}") from None
+        return blob
+    if unit.kind == "decode":
+        blob = src.read(unit.name, unit.start, unit.stop)
+        out = np.empty(unit.shape, st.DTYPES[unit.dtype])
+        try:
+            tq_jax.load_into(blob, out, device=devices)
+        except tq_jax.WireError as e:
+            raise BatchError(f"{where}: corrupt TQ01 blob at byte {unit.start}: {e}") from None
+        return out
+    raise ValueError(f"unknown unit kind {unit.kind!r}")
+
+
+class Progress:
+    """Bytes-based progress with MB/s on stderr: tqdm when installed, else a plain line.
+
+    The plain line is redrawn at most every 0.5 s and once at 100 %; :meth:`close`
+    ends it with a newline. ``quiet`` prints nothing.
+    """
+
+    def __init__(self, total: int, desc: str, quiet: bool = False):
+        self.total, self.desc, self.quiet = total, desc, quiet
+        self.done = 0
+        self.t0 = time.perf_counter()
+        self._last = 0.0
+        self._bar = None
+        if quiet:
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return
+        self._bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1000,
+                         file=sys.stderr, leave=True, dynamic_ncols=True)
+
+    def update(self, n: int) -> None:
+        self.done += n
+        if self.quiet:
+            return
+        if self._bar is not None:
+            self._bar.update(n)
+            return
+        now = time.perf_counter()
+        if now - self._last >= 0.5 or self.done >= self.total:
+            self._last = now
+            self._line(end="\r")
+
+    def _line(self, end):
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        pct = 100.0 * self.done / self.total if self.total else 100.0
+        sys.stderr.write(
+            f"{self.desc}: {pct:5.1f}% {self.done / 1e6:,.1f}/{self.total / 1e6:,.1f} MB "
+            f"{self.done / 1e6 / dt:,.1f} MB/s{end}"
+        )
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.quiet:
+            return
+        if self._bar is not None:
+            self._bar.close()
+        else:
+            self._line(end="\n")
+
+
+def run_local(plan, src, devices, progress: Callable[[int], None] = lambda n: None) -> None:
+    """Write ``plan.out`` in one process, unit by unit, atomically.
+
+    Args:
+        plan: a :class:`~tq_jax.batch.plan.FilePlan` of ``src``.
+        src: the open :class:`~tq_jax.batch.sources.Source`.
+        devices: where the codec runs (passed to :func:`tq_jax.dumps`/``load_into``).
+        progress: called with each unit's input bytes once it is written.
+    """
+    w = open_writer(plan)
+    try:
+        sizes = {}
+        for ei, e in enumerate(plan.entries):
+            for ui, u in enumerate(e.units):
+                data = byte_view(produce(src, u, devices))
+                w.write(data)
+                if u.kind != "raw":
+                    sizes[ei, ui] = len(data)
+                del data
+                progress(u.in_nbytes)
+        specs, metadata = plan.finalize(sizes)
+        if plan.header_size is not None:
+            w.commit(specs, metadata)
+        else:
+            w.commit()
+    except BaseException:
+        w.abort()
+        raise
