@@ -27,7 +27,6 @@ import numpy as np
 
 from tq_jax import codec as _codec
 from tq_jax import options as _options
-from tq_jax import packing as _packing
 from tq_jax import rotation as _rotation
 from tq_jax import wire as _wire
 
@@ -96,78 +95,10 @@ def _aligned_empty(shape, dtype) -> np.ndarray:
     return raw[off : off + nbytes].view(dtype).reshape(shape)
 
 
-# --------------------------------------------------------------------------- kernels
-
-
-_ENCODE_KERNELS: dict = {}  # (config, device) -> jitted kernel, oldest first
-_MAX_ENCODE_KERNELS = 64  # like the device-table cache: a writer cycling seeds stays bounded
-
-
-def _encode_kernel(cfg: _codec.CodecConfig, device):
-    """The jit-compiled block encoder of one config on one device: (B, d) floats →
-    (bit stream of B*d indices, float32 norms (B,)). The Hadamard group kernel returns
-    the stream as (B, d/16, 2*bits) bytes, which the host flattens for free: a reshape
-    inside the program would end XLA's last loop in a bitcast, which it runs slower.
-
-    The tables are closed over rather than passed: XLA then sees them as constants
-    and fuses the structured rotation far better (measured: hadamard encode 2.3x,
-    Haar 1.1x faster). One program per (config, device, bucket); a different seed is
-    a different config. Padding rows are cut off on the host (see ``_encode_vectors``):
-    masking them here would defeat the fusion of quantizer and packer.
-    """
-    key = (cfg, device)
-    kernel = _ENCODE_KERNELS.get(key)
-    if kernel is None:
-        tabs = _codec.device_tables(cfg, device)
-
-        def encode_block(x):
-            if _codec._grouped(cfg.dim, tabs.rotation):  # (B, n, 2*bits): the host flattens it
-                return _codec.encode_groups(x, tabs, cfg.bits)
-            if _codec._planar(cfg.dim, cfg.bits):  # byte-aligned rows: the stream is the rows
-                packed, norms = _codec.encode_rows(x, tabs, cfg.bits)
-                return packed.reshape(-1), norms
-            idx, norms = _codec.encode_indices(x, tabs.rotation, tabs.boundaries, tabs.grid)
-            return _packing.pack(idx.reshape(-1), cfg.bits), norms
-
-        if device is None:
-            jitted = jax.jit(encode_block)
-        else:  # numpy blocks go straight to `device` (cheaper than a device_put per block)
-            placed = jax.sharding.SingleDeviceSharding(device)
-            jitted = jax.jit(encode_block, in_shardings=placed, out_shardings=placed)
-        kernel = _ENCODE_KERNELS.setdefault(key, jitted)  # atomic under the GIL
-        while len(_ENCODE_KERNELS) > _MAX_ENCODE_KERNELS:
-            try:
-                del _ENCODE_KERNELS[next(iter(_ENCODE_KERNELS))]
-            except (KeyError, StopIteration, RuntimeError):  # another thread evicted first
-                break
-    return kernel
-
-
 def compiled_programs() -> int:
-    """Programs the block driver has compiled so far (encode + decode), for tests."""
-    enc = sum(k._cache_size() for k in list(_ENCODE_KERNELS.values()))
-    return enc + _decode_block._cache_size() + _decode_block_qjl._cache_size()
-
-
-@functools.partial(jax.jit, static_argnames=("bits", "dtype", "norm_correction"))
-def _decode_block(stream, norms, tabs, *, bits, dtype, norm_correction=False):
-    n_vec, dim = norms.shape[0], _codec._dim_of(tabs.rotation)
-    if _codec._grouped(dim, tabs.rotation):  # (B, d/16, 16) out: the host flattens it
-        rows = stream.reshape(n_vec, dim * bits // 8)
-        return _codec.decode_groups(rows, norms, tabs, bits, dtype, norm_correction)
-    if _codec._planar(dim, bits):  # byte-aligned rows
-        rows = stream.reshape(n_vec, dim * bits // 8)
-        return _codec.decode_rows(rows, norms, tabs, bits, dtype, norm_correction)
-    idx = _packing.unpack(stream, bits, n_vec * dim).reshape(n_vec, dim)
-    return _codec.decode_indices(idx, norms, tabs.rotation, tabs.centroids, dtype, norm_correction=norm_correction)
-
-
-@functools.partial(jax.jit, static_argnames=("bits", "dtype"))
-def _decode_block_qjl(stream, norms, sketch, residual_norms, rotation, centroids, qjl_matrix, *, bits, dtype):
-    n_vec, dim = norms.shape[0], _codec._dim_of(rotation)
-    idx = _packing.unpack(stream, bits, n_vec * dim).reshape(n_vec, dim)
-    qjl = (sketch, residual_norms, qjl_matrix)
-    return _codec.decode_indices(idx, norms, rotation, centroids, dtype, qjl)
+    """Block programs the driver has dispatched so far (encode + decode), for tests
+    and long-running checks: :func:`tq_jax.codec.compiled_programs`."""
+    return _codec.compiled_programs()
 
 
 # --------------------------------------------------------------------------- helpers
@@ -268,7 +199,6 @@ def _encode_vectors(flat: np.ndarray, cfg: _codec.CodecConfig, block_vectors, de
     """Run the codec over ``flat`` (n, d) block by block: ([stream chunks], norms f32 (n,))."""
     n_vec, dim = flat.shape
     bits = cfg.bits
-    kernels = [_encode_kernel(cfg, d) for d in devices]
     block = _block_vectors(dim, block_vectors, devices)
     norms = np.empty(n_vec, np.float32)
     chunks = []
@@ -278,7 +208,7 @@ def _encode_vectors(flat: np.ndarray, cfg: _codec.CodecConfig, block_vectors, de
     def collect():
         start, nb, (stream, nrm) = pending.popleft()
         used = nb * dim * bits
-        chunk = np.asarray(stream).reshape(-1)[: (used + 7) // 8]  # a view: kernels may return groups
+        chunk = np.asarray(stream).reshape(-1)[: _codec.stream_nbytes(cfg, nb)]  # a view
         if used % 8:  # the last byte also holds padding rows' bits: TQ01 wants them zero
             chunk = chunk.copy()
             chunk[-1] &= (1 << (used % 8)) - 1
@@ -289,7 +219,7 @@ def _encode_vectors(flat: np.ndarray, cfg: _codec.CodecConfig, block_vectors, de
         nb = min(block, n_vec - start)
         rows = block if nb == block else bucket(nb)
         xb = staging.put(flat[start : start + nb], rows, devices[i % len(devices)])
-        pending.append((start, nb, kernels[i % len(devices)](xb)))
+        pending.append((start, nb, _codec.encode_block(xb, cfg, devices[i % len(devices)])))
         if len(pending) > _IN_FLIGHT * len(devices):
             collect()
     while pending:
@@ -478,16 +408,14 @@ def _np_dtype(dtype):
     return np.dtype(jnp.dtype(dtype))
 
 
-def _decode_vectors(stream, norms, out_flat, cfg, header, block_vectors, devices, qjl=None):
+def _decode_vectors(stream, norms, out_flat, cfg, block_vectors, devices, qjl=None):
     """Decode one segment's stream + norms into ``out_flat`` (n, d), block by block."""
     n_vec, dim = out_flat.shape
     if n_vec == 0:  # nothing to decode: build no rotation (a 50-byte blob may name a huge one)
         return
     bits = cfg.bits
-    tabs = [_codec.device_tables(cfg, d) for d in devices]
     dtype = jnp.dtype(out_flat.dtype)
     block = _block_vectors(dim, block_vectors, devices)
-    nc = header.norm_correction
     pending = collections.deque()
     staging = _Staging(_IN_FLIGHT * len(devices) + 1)
 
@@ -497,7 +425,6 @@ def _decode_vectors(stream, norms, out_flat, cfg, header, block_vectors, devices
 
     for i, start in enumerate(range(0, n_vec, block)):
         dev = devices[i % len(devices)]
-        tab = tabs[i % len(devices)]
         nb = min(block, n_vec - start)
         rows = block if nb == block else bucket(nb)
         lo = start * dim * bits // 8  # exact: start is a multiple of 8
@@ -505,22 +432,15 @@ def _decode_vectors(stream, norms, out_flat, cfg, header, block_vectors, devices
         # numpy arguments follow the tables, which are committed to `dev`
         piece = staging.put(stream[lo:hi], rows * dim * bits // 8, dev)  # zero-padded to the bucket
         nrm = _pad_rows(norms[start : start + nb], rows)
+        block_qjl = None
         if qjl is not None:
             sketch, residual, matrices = qjl
-            res = _decode_block_qjl(
-                piece,
-                nrm,
+            block_qjl = (
                 _pad_rows(sketch[start : start + nb], rows),
                 _pad_rows(residual[start : start + nb], rows),
-                tab.rotation,
-                tab.centroids,
                 matrices[i % len(devices)],
-                bits=bits,
-                dtype=dtype,
             )
-        else:
-            res = _decode_block(piece, nrm, tab, bits=bits, dtype=dtype, norm_correction=nc)
-        pending.append((start, nb, res))
+        pending.append((start, nb, _codec.decode_block(piece, nrm, cfg, dtype, dev, block_qjl)))
         if len(pending) > _IN_FLIGHT * len(devices):
             collect()
     while pending:
@@ -541,8 +461,8 @@ def _decode_parsed(p: _wire.Parsed, out: np.ndarray, block_vectors, device) -> N
     for (g, bits, lo, hi, _), stream, norms in zip(h.segments(), p.indices, p.norms):
         if isinstance(norms, _wire.NormCodes):
             norms = _codec.decode_log_norms(norms.ranges, norms.codes, norms.bits, norms.count)
-        cfg = _codec.CodecConfig(h.dim, bits, h.seed, h.rotation)
-        _decode_vectors(stream, norms, _group_view(out, h, g, lo, hi), cfg, h, block_vectors, devices, qjl)
+        cfg = _codec.CodecConfig(h.dim, bits, h.seed, h.rotation, h.norm_correction)
+        _decode_vectors(stream, norms, _group_view(out, h, g, lo, hi), cfg, block_vectors, devices, qjl)
     if h.kv_layout and (h.skip_first or h.skip_last):
         src_dt = _np_dtype(jnp.dtype(h.dtype))
         layers = h.shape[1]
