@@ -550,8 +550,9 @@ def _planes(codes, bits: int, dim: int, parts: int) -> list:
 
 def _parts(bits: int) -> int:
     """How many planar parts :func:`attend` keeps apart (one lookup and one dot each):
-    two when a group holds two or more lanes. Keeping the planes apart spares the
-    concatenation of the unpacked indices (0.87x the time at 4 bits, B 4, H 8, 8k tokens)."""
+    two when a group holds two or more lanes, else one. Each part is a contiguous slice of
+    the planar order, so the unpacked lanes are never concatenated into one index tensor
+    (docs/kvcache.md has the measured effect)."""
     return min(_packing.plane_count(bits), 2)
 
 
@@ -625,10 +626,10 @@ def _attend_xla(cache: KVCache, q):
     values = (((3,), (2,)), ((0, 1), (0, 1)))  # [B,H,R,T] x [B,H,T,d] -> [B,H,R,d]
 
     def gather(pool, uidx, j):
-        """The block's rows, head-major: [B, H, T, ...]. Transposing the uint8 codes
-        rather than the float32 centroids (or leaving it to the einsums) took 0.85x the
-        time (B 4, H 8, GQA 4, 4k tokens, CPU; same bits). Unpaged, sequence b owns
-        page b (init's table never changes), so the block is one slice of the pool."""
+        """The block's rows, head-major: [B, H, T, ...]. The uint8 codes are transposed,
+        never the float32 centroids they select (1/4 to 1/32 of the bytes moved; docs/
+        kvcache.md has the measured effect). Unpaged, sequence b owns page b (init's
+        table never changes), so the block is one slice of the pool."""
         if cfg.paged:
             g = pool[uidx]  # [B, per_block, unit, H, ...]
         else:
@@ -861,7 +862,7 @@ def _check_blob(cfg: CacheConfig, h: _wire.Header, limit: int, where: str) -> in
         ("key bits", h.bits, cfg.key_bits),
         ("value bits", value_bits, cfg.value_bits),
         ("rotation", h.rotation, cfg.rotation),
-        ("seed", h.seed, _wire._seed32(cfg.seed)),
+        ("seed", h.seed, _wire.seed32(cfg.seed)),
     ]
     for name, got, expect in checks:
         if got != expect:
