@@ -1,30 +1,47 @@
 """Suite-wide settings.
 
 On CI (``CI`` set in the environment) a missing test dependency is an error, not a
-quiet skip: the `test` extra installs them all, so a skip there would hide a broken
-set-up and leave its tests unrun.
+quiet skip: the `cli`, `lmcache` and `test` extras install them all, so a skip there
+would hide a broken set-up and leave its tests unrun. The dependencies are read from
+those extras in pyproject.toml.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
+import tomllib
 
 import pytest
 
-# import name -> what provides it (the `test`, `cli` and `lmcache` extras in pyproject.toml)
-TEST_DEPENDENCIES = {
-    "torch": "torch==2.13.0 (extra `lmcache`)",
-    "lmcache": "lmcache==0.5.6 (extra `lmcache`)",
-    "tqai": "tqai==0.6.1 (extra `test`)",
-    "lmcache_turbo_quant_serde": "lmcache-turbo-quant-serde==0.1.0 (extra `test`)",
-    "scipy": "scipy (extra `test`)",
-    "safetensors": "safetensors (extra `test`)",
-    "chex": "chex (extra `test`)",
-    "hypothesis": "hypothesis (extra `test`)",
-    "matplotlib": "matplotlib (extra `cli`)",
-}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The extras a full test run installs (the hint below); their requirements are read
+# from pyproject.toml, so a dependency added there is checked here with no second edit.
+TEST_EXTRAS = ("cli", "lmcache", "test")
+
+
+# distribution -> import name, where the two differ (e.g. "pyyaml": "yaml")
+IMPORT_NAMES: dict[str, str] = {}
+
+
+def _import_name(requirement: str) -> str:
+    """``"lmcache-turbo-quant-serde==0.1.0"`` -> ``"lmcache_turbo_quant_serde"``."""
+    dist = re.split(r"[\s\[<>=!~;]", requirement.strip(), maxsplit=1)[0].lower()
+    return IMPORT_NAMES.get(dist, dist.replace("-", "_").replace(".", "_"))
+
+
+def read_test_dependencies() -> dict[str, str]:
+    """import name -> what provides it, for every requirement of :data:`TEST_EXTRAS`."""
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    return {
+        _import_name(req): f"{req} (extra `{extra}`)" for extra in TEST_EXTRAS for req in extras.get(extra, ())
+    }
+
+
+TEST_DEPENDENCIES = read_test_dependencies()
 
 
 def missing_test_dependencies() -> list[str]:
@@ -36,7 +53,7 @@ def pytest_configure(config):
         raise pytest.UsageError(
             "CI is set but test dependencies are missing, so their tests would be skipped: "
             + ", ".join(missing)
-            + '. Install them with: pip install -e ".[cli,lmcache,test]"'
+            + f'. Install them with: pip install -e ".[{",".join(TEST_EXTRAS)}]"'
         )
 
 
