@@ -48,10 +48,15 @@ class _OnFirstUse:
 
 _batch = _OnFirstUse("tq_jax.batch")
 _st = _OnFirstUse("tq_jax.safetensors_io")
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "CliError", "option_flags", "options_from_args"]
 
 PROG = "tq-jax"
 BITS = tuple(range(1, 9))
+DEFAULT_BITS = 4  # --bits when neither it nor a preset nor --key-bits/--value-bits says
+
+
+class CliError(Exception):
+    """A flag or usage error a person can fix: :func:`main` prints it on one line and exits 1."""
 
 
 def _error(msg: str) -> int:
@@ -195,9 +200,9 @@ def _devices(spec: str):
     try:
         n = int(spec)
     except ValueError:
-        raise _batch.CliError(f"--devices must be 'all' or a count, got {spec!r}") from None
+        raise CliError(f"--devices must be 'all' or a count, got {spec!r}") from None
     if not 1 <= n <= len(devs):
-        raise _batch.CliError(f"--devices {n}: this process has {len(devs)} local device(s)")
+        raise CliError(f"--devices {n}: this process has {len(devs)} local device(s)")
     return devs[:n]
 
 
@@ -207,7 +212,7 @@ def _outputs(inputs: list[str], out: str, mode: str) -> list[str]:
         outs = [out]
     else:
         if os.path.exists(out) and not os.path.isdir(out):
-            raise _batch.CliError(f"{out}: with several inputs, OUT must be a directory")
+            raise CliError(f"{out}: with several inputs, OUT must be a directory")
         os.makedirs(out, exist_ok=True)
         outs = []
         for p in inputs:
@@ -217,13 +222,13 @@ def _outputs(inputs: list[str], out: str, mode: str) -> list[str]:
             outs.append(os.path.join(out, base))
         dup = {o for o in outs if outs.count(o) > 1}
         if dup:
-            raise _batch.CliError(f"several inputs would write the same output {sorted(dup)[0]}")
+            raise CliError(f"several inputs would write the same output {sorted(dup)[0]}")
     for i, o in zip(inputs, outs):
         if os.path.exists(o) and os.path.exists(i) and os.path.samefile(i, o):
-            raise _batch.CliError(f"{o}: output would overwrite its input; choose another OUT")
+            raise CliError(f"{o}: output would overwrite its input; choose another OUT")
         parent = os.path.dirname(os.path.abspath(o))
         if not os.path.isdir(parent):
-            raise _batch.CliError(f"{o}: directory {parent} does not exist")
+            raise CliError(f"{o}: directory {parent} does not exist")
     return outs
 
 
@@ -308,40 +313,68 @@ def _run(args, plan_fn, verb: str) -> int:
 # --------------------------------------------------------------------------- commands
 
 
-def codec_options(args) -> dict:
-    """The :class:`tq_jax.Options` fields the compress flags ask for (validated).
+def _options_cls(options_cls=None):
+    if options_cls is None:
+        from tq_jax.options import Options as options_cls
+    return options_cls
 
-    A ``--preset`` gives the starting values; ``--bits`` sets both groups; any other
+
+def option_flags(options_cls=None) -> tuple[str, ...]:
+    """The codec option flags' ``args`` names: one per field of :class:`tq_jax.Options`
+    (``key_bits`` is ``--key-bits``), generated from ``dataclasses.fields``."""
+    import dataclasses
+
+    return tuple(f.name for f in dataclasses.fields(_options_cls(options_cls)))
+
+
+def __getattr__(name: str):
+    if name == "_OPTION_FLAGS":  # the former constant, generated now (loads tq_jax.options)
+        return option_flags()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def options_from_args(args, options_cls=None):
+    """The :class:`tq_jax.Options` the compress flags ask for (validated).
+
+    A ``--preset`` gives the starting values; ``--bits`` sets every field without a
+    default (both groups' bits; :data:`DEFAULT_BITS` when nothing sets them); any other
     flag given overrides.
+
+    Raises:
+        CliError: the options are invalid (the message names the field and the value).
     """
     import dataclasses
 
     import tq_jax
 
+    cls = _options_cls(options_cls)
+    fields = dataclasses.fields(cls)
     opts = dict(tq_jax.PRESETS[args.preset]) if args.preset else {}
+    required = [f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if args.bits is not None:
-        opts["key_bits"] = opts["value_bits"] = args.bits
-    for flag in _OPTION_FLAGS:
-        value = getattr(args, flag)
-        if value is not None and value is not False:
-            opts[flag] = value
-    opts.setdefault("key_bits", 4)
-    opts.setdefault("value_bits", 4)
-    opts["seed"] = args.seed
+        opts.update(dict.fromkeys(required, args.bits))
+    for f in fields:
+        value = getattr(args, f.name)
+        if value is not None:  # not given (booleans: store_true with default None)
+            opts[f.name] = value
+    for name in required:
+        opts.setdefault(name, DEFAULT_BITS)
     try:
-        return dataclasses.asdict(tq_jax.Options(**opts))
+        return cls(**opts)
     except (TypeError, ValueError) as e:
-        raise _batch.CliError(f"invalid codec options: {e}") from None
+        raise CliError(f"invalid codec options: {e}") from None
 
 
-# Flags passed through to tq_jax.Options under the same name (None/False: not given).
-_OPTION_FLAGS = ("key_bits", "value_bits", "skip_first_layers", "skip_last_layers", "rotation",
-                 "norm_dtype", "norm_bits", "norm_correction", "checksum")
+def codec_options(args) -> dict:
+    """:func:`options_from_args` as a dict of every :class:`tq_jax.Options` field."""
+    import dataclasses
+
+    return dataclasses.asdict(options_from_args(args))
 
 
 def cmd_compress(args) -> int:
     if args.head_dim < 2:
-        raise _batch.CliError(f"--head-dim must be at least 2, got {args.head_dim}")
+        raise CliError(f"--head-dim must be at least 2, got {args.head_dim}")
     opts = _batch.CompressOptions(
         options=tuple(sorted(codec_options(args).items())), head_dim=args.head_dim, all=args.all,
         exclude=tuple(args.exclude), chunk_bytes=_chunk_bytes(args.chunk_mb),
@@ -358,21 +391,19 @@ def cmd_decompress(args) -> int:
 
 def _chunk_bytes(mb: float) -> int:
     if not mb > 0:
-        raise _batch.CliError(f"--chunk-mb must be positive, got {mb}")
+        raise CliError(f"--chunk-mb must be positive, got {mb}")
     return max(1, int(mb * 2**20))
 
 
 def _header_labels(h) -> tuple[str, str]:
     """(bits, other options) of a TQ01 header, compactly: ("4/3", "raw 2+2, hadamard, f32 norms")."""
-    kv = getattr(h, "kv_layout", False)
-    vb = getattr(h, "value_bits", h.bits)
-    bits = f"{h.bits}/{vb}" if kv and vb != h.bits else str(h.bits)
+    kv = h.kv_layout
+    bits = f"{h.bits}/{h.value_bits}" if kv and h.value_bits != h.bits else str(h.bits)
     return bits, _options_label(
-        skip_first_layers=getattr(h, "skip_first", 0) if kv else 0,
-        skip_last_layers=getattr(h, "skip_last", 0) if kv else 0,
-        rotation=getattr(h, "rotation", "haar"), norm_dtype=getattr(h, "norm_dtype", "float16"),
-        norm_bits=getattr(h, "norm_bits", 0), norm_correction=getattr(h, "norm_correction", False), checksum=getattr(h, "checksum", False),
-        qjl=h.use_qjl,
+        skip_first_layers=h.skip_first if kv else 0,
+        skip_last_layers=h.skip_last if kv else 0,
+        rotation=h.rotation, norm_dtype=h.norm_dtype, norm_bits=h.norm_bits,
+        norm_correction=h.norm_correction, checksum=h.checksum, qjl=h.use_qjl,
     )
 
 
@@ -408,7 +439,7 @@ def _inspect_doc(path: str) -> dict:
         try:
             h = tq_jax.peek_header(np.memmap(path, np.uint8, mode="r"))
         except tq_jax.WireError as e:
-            raise _batch.CliError(f"{path}: corrupt TQ01 blob: {e}") from None
+            raise CliError(f"{path}: corrupt TQ01 blob: {e}") from None
         orig = math.prod(h.shape) * _st.DTYPES[_batch.TQ_DTYPES[("bfloat16", "float16", "float32").index(h.dtype)]].itemsize
         bits, opts = _header_labels(h)
         return {"file": path, "kind": "TQ01 blob", "bytes": size, "tensors": [{
@@ -503,10 +534,10 @@ def cmd_bench(args) -> int:
         except ValueError:
             b = None
         if b not in BITS:
-            raise _batch.CliError(f"--bits takes a comma-separated list of {BITS}, got {args.bits!r}")
+            raise CliError(f"--bits takes a comma-separated list of {BITS}, got {args.bits!r}")
         bits.append(b)
     if args.repeats < 1:
-        raise _batch.CliError(f"--repeats must be at least 1, got {args.repeats}")
+        raise CliError(f"--repeats must be at least 1, got {args.repeats}")
     with quiet_third_party_logs(args.verbose):  # LMCache (under the reference) logs INFO lines
         _bench.run_bench(quick=args.quick, bits=tuple(bits), repeats=args.repeats, seed=args.seed,
                          reference=not args.no_reference, plots=not args.no_plots, out_dir=args.out_dir,
@@ -554,13 +585,51 @@ def _version() -> str:
         return tq_jax.__version__
 
 
-def _presets() -> dict:
+def _flag_kwargs(f) -> dict:
+    """argparse keywords of the flag of Options field ``f``, from its type and metadata.
+
+    Every flag defaults to None (not given: the preset's or the field's default
+    applies); a bool is ``store_true``; an int or str with a short list of allowed values
+    gets them as ``choices`` (a field's ``off`` value included); the help is the
+    field's help plus its default.
+    """
+    import dataclasses
+
+    from tq_jax import options as _options
+
+    kind, m = _options.field_type(f), f.metadata
+    values, off = m.get("values"), m.get("off")
+    help_ = m["help"]
+    if f.default is not dataclasses.MISSING and kind is not bool:
+        help_ += f" (default: {f.default})"
+    if kind is bool:
+        return dict(action="store_true", default=None, help=help_)
+    kw = dict(type=kind, default=None, help=help_)
+    if values is not None and len(values) <= 16:
+        choices = tuple(values) if off is None else (off, *values)
+        kw["choices"] = choices
+        if kind is int:
+            kw["metavar"] = "{" + ",".join(filter(None, (str(off) if off is not None else "", _options.describe_values(values)))) + "}"
+    elif kind is int:
+        kw["metavar"] = "N"
+    return kw
+
+
+def add_option_flags(parser, v2_group, options_cls=None) -> None:
+    """One flag per field of ``options_cls`` (default :class:`tq_jax.Options`): version-1
+    fields on ``parser``, version-2 fields in ``v2_group``."""
+    import dataclasses
+
+    for f in dataclasses.fields(_options_cls(options_cls)):
+        where = parser if f.metadata["version"] == 1 else v2_group
+        where.add_argument("--" + f.name.replace("_", "-"), dest=f.name, **_flag_kwargs(f))
+
+
+def build_parser(options_cls=None) -> argparse.ArgumentParser:
+    """The ``tq-jax`` argument parser; ``compress``'s codec flags come from ``options_cls``
+    (default :class:`tq_jax.Options`), one per field."""
     import tq_jax
 
-    return getattr(tq_jax, "PRESETS", {})
-
-
-def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="TurboQuant KV-cache compression (TQ01) in JAX: compress tensor files, inspect them, benchmark.",
@@ -576,25 +645,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bits", type=int, choices=range(1, 9), metavar="{1..8}",
                    help="bits per coordinate (default: 4); 2, 3, 4, 6 and 8 keep TQ01 version 1, "
                         "the reference's format, unless another option needs version 2")
-    p.add_argument("--seed", type=int, default=42, help="rotation seed (default: 42)")
     g = p.add_argument_group("TQ01 version 2 options (blobs the reference cannot read)")
-    g.add_argument("--preset", choices=sorted(_presets()), help="a named set of options (later flags override)")
-    g.add_argument("--key-bits", type=int, choices=range(1, 9), metavar="{1..8}",
-                   help="bits of group 0 (keys) of KV tensors [2, layers, ..., head_dim]")
-    g.add_argument("--value-bits", type=int, choices=range(1, 9), metavar="{1..8}",
-                   help="bits of group 1 (values)")
-    g.add_argument("--skip-first-layers", type=int, metavar="N", help="store the first N layers (axis 1) raw")
-    g.add_argument("--skip-last-layers", type=int, metavar="N", help="store the last N layers raw")
-    g.add_argument("--rotation", choices=("haar", "hadamard"), help="haar (default, the reference's) or "
-                                                                     "hadamard (fast, structured)")
-    g.add_argument("--norm-dtype", choices=("auto", "float16", "float32"),
-                   help="auto (default): float16 unless a norm overflows it, then float32")
-    g.add_argument("--norm-bits", type=int, choices=range(0, 9), metavar="{0,2..8}",
-                   help="0 (default): norms as floats; 2..8: each norm a code on a log-uniform grid "
-                        "per layer (turbo presets: 6)")
-    g.add_argument("--norm-correction", action="store_true", default=None,
-                   help="decoders rescale centroid vectors to unit length")
-    g.add_argument("--checksum", action="store_true", default=None, help="append a CRC32 to every blob")
+    g.add_argument("--preset", choices=sorted(tq_jax.PRESETS), help="a named set of options (later flags override)")
+    add_option_flags(p, g, options_cls)
     p.add_argument("--head-dim", type=int, default=128, help="vector length (default: 128)")
     p.add_argument("--all", action="store_true",
                    help="compress every floating tensor, splitting a last axis of n*head_dim into (n, head_dim); "
@@ -644,7 +697,7 @@ def _main(argv) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except _batch.CliError as e:
+    except (CliError, _batch.CliError) as e:
         return _error(str(e))
     except (_st.SafetensorsError, tq_jax.WireError, tq_jax.NormOverflowError) as e:
         return _error(str(e))

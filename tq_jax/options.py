@@ -15,12 +15,13 @@ import dataclasses
 import numpy as np
 
 from tq_jax import codebook as _codebook
+from tq_jax import rotation as _rotation
 from tq_jax import wire as _wire
 
 __all__ = ["Options", "NORM_DTYPES", "ROTATIONS", "PRESETS", "check_field", "describe_values"]
 
 NORM_DTYPES = ("auto",) + tuple(_wire.NORM_DTYPES)
-ROTATIONS = tuple(_wire.ROTATION_CODES)
+ROTATIONS = _rotation.ROTATIONS
 _BITS_WHY = "it sets the codebook size 2**bits."
 _NORM_BITS_WHY = "0 keeps float norms; 2..8 store each norm as a code on a log-uniform grid of 2**norm_bits - 1 levels."
 
@@ -121,7 +122,7 @@ class Options:
     value_bits: int = dataclasses.field(metadata=_meta(
         "bits per coordinate of group 1 (values); default: bits", 2, values=_codebook.BITS_RANGE, why=_BITS_WHY))
     seed: int = dataclasses.field(default=42, metadata=_meta(
-        "rotation seed, recorded in every blob (its low 32 bits, as int32)", 1))
+        "rotation seed; every blob records its low 32 bits (as int32)", 1))
     skip_first_layers: int = dataclasses.field(default=0, metadata=_meta(
         "store the first N layers (axis 1) as their exact bytes", 2,
         values=range(0, _wire.MAX_SKIP_LAYERS + 1), why="a count of layers kept raw."))
@@ -190,7 +191,7 @@ class Options:
                 tensor that is not ``[groups, layers, ..., head_dim]``).
         """
         shape = tuple(int(s) for s in shape)
-        dtype = _wire._dtype_name(dtype)
+        dtype = _wire.dtype_name(dtype)
         nd = norm_dtype or ("float16" if self.norm_dtype == "auto" else self.norm_dtype)
         if self.norm_bits:
             nd = "float16"  # no float norms are written: the NORMS_F32 flag stays clear
@@ -214,10 +215,10 @@ class Options:
                     f"exceeds the tensor's {shape[1]} layers (axis 1 of {shape})."
                 )
         if self.v1_expressible and nd == "float16":
-            return _wire.Header(self.key_bits, _wire._seed32(self.seed), shape, dtype)
+            return _wire.Header(self.key_bits, _wire.seed32(self.seed), shape, dtype)
         return _wire.Header(
             bits=self.key_bits,
-            seed=_wire._seed32(self.seed),
+            seed=_wire.seed32(self.seed),
             shape=shape,
             dtype=dtype,
             version=_wire.VERSION_2,
