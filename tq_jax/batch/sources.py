@@ -47,6 +47,12 @@ def _read_exactly(f, n: int, what: str) -> bytes:
     return data
 
 
+def _clip(value, n: int = 200) -> str:
+    """``repr(value)``, cut to ``n`` characters (a hostile header can be 10,000 long)."""
+    r = repr(value)
+    return r if len(r) <= n else r[:n] + "..."
+
+
 def _read_npy_header_3_0(f, max_header_size: int = MAX_NPY_HEADER_SIZE) -> tuple:
     """(shape, fortran_order, dtype) from a version-3.0 header; ``f`` is just past the magic.
 
@@ -65,20 +71,20 @@ def _read_npy_header_3_0(f, max_header_size: int = MAX_NPY_HEADER_SIZE) -> tuple
     try:
         d = ast.literal_eval(text)
     except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError) as e:
-        raise ValueError(f"Cannot parse header: {text!r}") from e
+        raise ValueError(f"Cannot parse header: {_clip(text)}") from e
     if not isinstance(d, dict):
-        raise ValueError(f"Header is not a dictionary: {d!r}")
+        raise ValueError(f"Header is not a dictionary: {_clip(d)}")
     if d.keys() != _NPY_KEYS:
-        raise ValueError(f"Header does not contain the correct keys: {sorted(map(repr, d.keys()))}")
+        raise ValueError(f"Header does not contain the correct keys: {_clip(sorted(d.keys(), key=repr))}")
     shape = d["shape"]
     if not isinstance(shape, tuple) or not all(isinstance(s, int) for s in shape):
-        raise ValueError(f"shape is not valid: {shape!r}")
+        raise ValueError(f"shape is not valid: {_clip(shape)}")
     if not isinstance(d["fortran_order"], bool):
-        raise ValueError(f"fortran_order is not a valid bool: {d['fortran_order']!r}")
+        raise ValueError(f"fortran_order is not a valid bool: {_clip(d['fortran_order'])}")
     try:
         dtype = np.lib.format.descr_to_dtype(d["descr"])
     except TypeError as e:
-        raise ValueError(f"descr is not a valid dtype descriptor: {d['descr']!r}") from e
+        raise ValueError(f"descr is not a valid dtype descriptor: {_clip(d['descr'])}") from e
     return shape, d["fortran_order"], dtype
 
 
