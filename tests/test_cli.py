@@ -385,12 +385,17 @@ def test_reference_decodes_compressed_entries(tmp_path, infile):
     off = 0
     parts = []
     for n in blobs:
-        t = ref.TurboQuantDeserializer().from_bytes(comp["kv"][off : off + n].tobytes())
+        blob = comp["kv"][off : off + n]
+        t = ref.TurboQuantDeserializer().from_bytes(blob.tobytes())
+        assert t.dtype == torch.bfloat16  # the original's dtype, recorded in the blob
+        ours = np.asarray(tq_jax.loads(blob), np.float32)
+        assert tuple(t.shape) == ours.shape
+        # Same values as tq_jax's own decode of the blob, to bf16 rounding (1 ulp ~ 2**-8 relative).
+        np.testing.assert_allclose(t.float().numpy(), ours, rtol=2**-7, atol=1e-3)
         parts.append(t.float().numpy().reshape(-1))
         off += n
     theirs = np.concatenate(parts).reshape(2, 3, 16, 4, HD)
     assert _cos(theirs, _tensors()["kv"]) > 0.99
-    assert torch.bfloat16  # the reference restored bf16 tensors
 
 
 # --------------------------------------------------------------------------- bench

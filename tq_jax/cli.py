@@ -376,7 +376,7 @@ def cmd_compress(args) -> int:
     if args.head_dim < 2:
         raise CliError(f"--head-dim must be at least 2, got {args.head_dim}")
     opts = _batch.CompressOptions(
-        options=tuple(sorted(codec_options(args).items())), head_dim=args.head_dim, all=args.all,
+        options=options_from_args(args), head_dim=args.head_dim, all=args.all,
         exclude=tuple(args.exclude), chunk_bytes=_chunk_bytes(args.chunk_mb),
     )
     # Named in the error when the preset's raw layers would cover a whole tensor.
@@ -697,7 +697,7 @@ def _main(argv) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (CliError, _batch.CliError) as e:
+    except (CliError, _batch.BatchError) as e:
         return _error(str(e))
     except (_st.SafetensorsError, tq_jax.WireError, tq_jax.NormOverflowError) as e:
         return _error(str(e))
