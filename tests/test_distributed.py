@@ -81,7 +81,26 @@ def fail_on_1():
 try:
     c.agree("fail", fail_on_1)
 except Exception as e:
-    out["error"] = [isinstance(e, batch.CliError), str(e)]
+    out["error"] = [isinstance(e, batch.BatchError), str(e)]
+
+class Usage(Exception):  # a caller's own error type, written for a person
+    pass
+
+def fail_on_1_with(exc):
+    def fn():
+        if c.index == 1:
+            raise exc
+        return "fine"
+    return fn
+
+out["plain"] = []
+for i, (exc, plain_errors) in enumerate(
+    [(Usage("bad flag"), ()), (Usage("bad flag"), (Usage,)), (batch.BatchError("bad input"), ())]
+):
+    try:
+        c.agree(f"plain{i}", fail_on_1_with(exc), plain_errors)
+    except Exception as e:
+        out["plain"].append(str(e))
 print(json.dumps(out))
 """
 
@@ -110,6 +129,13 @@ def test_two_processes_agree_and_share_a_failure():
     # the failing process re-raises its own error; the other names it
     assert outs[1]["error"] == [False, "boom"]
     assert outs[0]["error"] == [True, "process 1 of 2 failed: ValueError: boom"]
+    # BatchError and the caller's plain_errors are shared by message alone
+    assert outs[0]["plain"] == [
+        "process 1 of 2 failed: Usage: bad flag",
+        "process 1 of 2 failed: bad flag",
+        "process 1 of 2 failed: bad input",
+    ]
+    assert outs[1]["plain"] == ["bad flag", "bad flag", "bad input"]
 
 
 @pytest.mark.slow

@@ -42,12 +42,15 @@ class Cluster(NamedTuple):
     timeout_ms: int
     run: str  # key prefix shared by the processes for this run
 
-    def agree(self, phase: str, fn: Callable[[], str]) -> list[str]:
+    def agree(self, phase: str, fn: Callable[[], str],
+              plain_errors: tuple[type[BaseException], ...] = ()) -> list[str]:
         """Run ``fn`` here, then share its result (or failure) with every process.
 
         Returns every process's result, in process order. If any process failed, all
-        raise :class:`~tq_jax.batch.CliError` naming the first failed process (the
-        failing process re-raises its own exception).
+        raise :class:`~tq_jax.batch.BatchError` naming the first failed process (the
+        failing process re-raises its own exception). The failure is shared as its
+        message alone for a :class:`~tq_jax.batch.BatchError` or one of
+        ``plain_errors`` (errors written for a person), else prefixed by its type.
         """
         key = f"{self.run}/{phase}"
         local_exc = None
@@ -55,7 +58,8 @@ class Cluster(NamedTuple):
             status = "ok:" + fn()
         except Exception as e:  # reported to the others, re-raised below
             local_exc = e
-            status = "err:" + " ".join(str(e).split()) if isinstance(e, _batch.CliError) else f"err:{type(e).__name__}: {e}"
+            plain = isinstance(e, (_batch.BatchError, *plain_errors))
+            status = "err:" + " ".join(str(e).split()) if plain else f"err:{type(e).__name__}: {e}"
         self.client.key_value_set(f"{key}/{self.index}", status)
         self.client.wait_at_barrier(key, self.timeout_ms)
         statuses = [
@@ -65,7 +69,7 @@ class Cluster(NamedTuple):
             raise local_exc
         for q, s in enumerate(statuses):
             if s.startswith("err:"):
-                raise _batch.CliError(f"process {q} of {self.count} failed: {s[4:]}")
+                raise _batch.BatchError(f"process {q} of {self.count} failed: {s[4:]}")
         return [s[3:] for s in statuses]
 
 
@@ -137,7 +141,8 @@ def _part_path(parts_dir: str, fi: int, ei: int, ui: int) -> str:
 
 
 def run_distributed(cluster: Cluster, open_plans: Callable[[], tuple], devices,
-                    parts_dir: str, make_progress: Callable[[int], object] | None = None) -> tuple:
+                    parts_dir: str, make_progress: Callable[[int], object] | None = None,
+                    plain_errors: tuple[type[BaseException], ...] = ()) -> tuple:
     """Write every plan's OUT, sharing the codec units among the processes.
 
     Args:
@@ -148,6 +153,8 @@ def run_distributed(cluster: Cluster, open_plans: Callable[[], tuple], devices,
         devices: this process's local devices.
         parts_dir: a directory on a filesystem every process can read and write.
         make_progress: ``total_bytes -> object with update(n) and close()``.
+        plain_errors: the caller's own error types, shared by message alone like
+            :class:`~tq_jax.batch.BatchError` (see :meth:`Cluster.agree`).
 
     Returns:
         ``(plans, sources)``; the caller closes the sources.
@@ -158,10 +165,10 @@ def run_distributed(cluster: Cluster, open_plans: Callable[[], tuple], devices,
         opened.extend(open_plans())
         return "|".join(p.fingerprint() for p in opened[0])
 
-    fps = cluster.agree("plan", plan)
+    fps = cluster.agree("plan", plan, plain_errors)
     plans, sources = opened
     if len(set(fps)) != 1:
-        raise _batch.CliError(
+        raise _batch.BatchError(
             "processes planned different outputs: every process must see the same input files "
             "and the same options (is the input on a shared filesystem?)"
         )
@@ -218,7 +225,7 @@ def run_distributed(cluster: Cluster, open_plans: Callable[[], tuple], devices,
                                 w.write(chunk)
                                 n += len(chunk)
                         if n != sizes[ei, ui]:
-                            raise _batch.CliError(f"part {path} changed while being copied")
+                            raise _batch.BatchError(f"part {path} changed while being copied")
                 w.commit()
             except BaseException:
                 w.abort()
@@ -230,8 +237,8 @@ def run_distributed(cluster: Cluster, open_plans: Callable[[], tuple], devices,
         return ""
 
     try:
-        cluster.agree("encode", encode)
-        cluster.agree("assemble", assemble)
+        cluster.agree("encode", encode, plain_errors)
+        cluster.agree("assemble", assemble, plain_errors)
     finally:
         if bar is not None:
             bar.close()
