@@ -235,14 +235,83 @@ def _group_view(host: np.ndarray, header: _wire.Header, g, lo, hi) -> np.ndarray
 
 
 def _raw_bytes(host: np.ndarray, header: _wire.Header) -> list:
-    out = []
-    if header.kv_layout:
-        layers = header.shape[1]
-        for g in range(header.shape[0]):
-            for lo, hi in ((0, header.skip_first), (layers - header.skip_last, layers)):
-                if hi > lo:
-                    out.append(memoryview(np.ascontiguousarray(host[g, lo:hi]).reshape(-1).view(np.uint8)))
-    return out
+    return [
+        memoryview(np.ascontiguousarray(host[g, lo:hi]).reshape(-1).view(np.uint8)) for g, lo, hi in _raw_ranges(header)
+    ]
+
+
+# --------------------------------------------------------------------------- device-resident path
+#
+# A jax.Array that lives on one device is encoded there by one jitted program: every
+# segment's full blocks run through ``lax.map`` and its last block, padded to its
+# bucket, runs once more, so each block has the shape the host path gives it and the
+# bytes are the same. The only device→host transfer is the packed result.
+
+_RESIDENT_PROGRAMS = 32  # programs keyed by layout and shape (a decoder's come from headers): bounded
+
+
+def _segment_configs(header: _wire.Header, seed: int, rotation: str, norm_correction: bool = False) -> tuple:
+    return tuple(
+        _codec.CodecConfig(header.dim, bits, seed, rotation, norm_correction) for _, bits, _, _, _ in header.segments()
+    )
+
+
+def _segment_vectors(x, g, lo, hi, dim):
+    return x.reshape(-1, dim) if g is None else x[g, lo:hi].reshape(-1, dim)
+
+
+def _encode_segment(v, cfg: _codec.CodecConfig, block: int, device):
+    """Traced: ``(stream uint8 (stream_nbytes,), norms float32 (n,))`` of vectors ``v``."""
+    n = v.shape[0]
+    full, tail = divmod(n, block)
+    streams, norms = [], []
+    if full:
+        blocks = v[: full * block].reshape(full, block, cfg.dim)
+        s, nrm = jax.lax.map(lambda b: _codec.encode_stream(b, cfg, device), blocks)
+        streams.append(s.reshape(-1))
+        norms.append(nrm.reshape(-1))
+    if tail:
+        rows = bucket(tail)
+        s, nrm = _codec.encode_stream(jnp.pad(v[full * block :], ((0, rows - tail), (0, 0))), cfg, device)
+        s = s.reshape(-1)[: _codec.stream_nbytes(cfg, tail)]
+        used = tail * cfg.dim * cfg.bits
+        if used % 8:  # the last byte also holds padding rows' bits: TQ01 wants them zero
+            s = s.at[-1].set(s[-1] & jnp.uint8((1 << (used % 8)) - 1))
+        streams.append(s)
+        norms.append(nrm[:tail])
+    if not streams:
+        return jnp.zeros(0, jnp.uint8), jnp.zeros(0, jnp.float32)
+    return jnp.concatenate(streams), jnp.concatenate(norms)
+
+
+@functools.lru_cache(maxsize=_RESIDENT_PROGRAMS)
+def _resident_encoder(header: _wire.Header, cfgs: tuple, block: int, device):
+    for cfg in cfgs:  # concrete tables, cached before the trace reads them
+        _codec.device_tables(cfg, device)
+    segments = tuple(header.segments())
+    raw_ranges = tuple(_raw_ranges(header)) if header.version == _wire.VERSION_2 else ()
+
+    def program(x):
+        encoded = [
+            _encode_segment(_segment_vectors(x, g, lo, hi, header.dim), cfg, block, device)
+            for (g, _, lo, hi, _), cfg in zip(segments, cfgs)
+        ]
+        raw = [jax.lax.bitcast_convert_type(x[g, lo:hi], jnp.uint8).reshape(-1) for g, lo, hi in raw_ranges]
+        return encoded, raw
+
+    placed = jax.sharding.SingleDeviceSharding(device)
+    return jax.jit(program, in_shardings=placed, out_shardings=placed)
+
+
+def _encode_resident(x, header: _wire.Header, options: _options.Options, block_vectors, device):
+    """``x`` (a jax.Array) encoded on ``device``: ([(stream chunks, norms)] per segment, raw pieces)."""
+    if device not in x.devices():
+        x = jax.device_put(x, device)  # device to device
+    cfgs = _segment_configs(header, options.seed, options.rotation)
+    block = _block_vectors(header.dim, block_vectors, [device])
+    program = _resident_encoder(header._replace(norm_dtype="float16"), cfgs, block, device)
+    encoded, raw = jax.device_get(program(x))
+    return [([s], n) for s, n in encoded], [memoryview(r) for r in raw]
 
 
 def _norm_overflow(norms: list) -> tuple[int, int, float]:
@@ -256,24 +325,59 @@ def _norm_overflow(norms: list) -> tuple[int, int, float]:
     return count, total, largest
 
 
+def _raw_ranges(header: _wire.Header):
+    """``(group, lo, hi)`` of every raw (unquantized) layer range, in wire order."""
+    if header.kv_layout:
+        layers = header.shape[1]
+        for g in range(header.shape[0]):
+            for lo, hi in ((0, header.skip_first), (layers - header.skip_last, layers)):
+                if hi > lo:
+                    yield g, lo, hi
+
+
+def _resident_device(x, device):
+    """The one device a ``jax.Array`` input is encoded on without leaving it, or None
+    for the pipelined host path (numpy input, a sharded array, a device sequence)."""
+    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+        return None
+    if device is not None and not isinstance(device, jax.Device):
+        return None
+    try:
+        held = x.devices()
+    except Exception:  # a deleted or otherwise unplaced array: the host path says why
+        return None
+    if len(held) != 1:
+        return None
+    return device if device is not None else next(iter(held))
+
+
 def _encode(x, options: _options.Options, block_vectors, device):
     """Encode ``x`` under ``options``: (header, [byte pieces in wire order])."""
-    host = _host_view(x)
-    dtype = _check_tensor(host)
-    host = np.ascontiguousarray(host)
-    header = options.header(host.shape, dtype)  # validates the shape for the options
-    devices = _device_list(device)
-    encoded = []
-    for g, bits, lo, hi, _ in header.segments():
-        cfg = _codec.CodecConfig(header.dim, bits, options.seed, options.rotation)
-        encoded.append(_encode_vectors(_group_view(host, header, g, lo, hi), cfg, block_vectors, devices))
+    dev = _resident_device(x, device)
+    if dev is not None:
+        dtype = _check_tensor(x)
+        shape = tuple(x.shape)
+        header = options.header(shape, dtype)  # validates the shape for the options
+        encoded, raw = _encode_resident(x, header, options, block_vectors, dev)
+    else:
+        host = _host_view(x)
+        dtype = _check_tensor(host)
+        host = np.ascontiguousarray(host)
+        shape = host.shape
+        header = options.header(shape, dtype)  # validates the shape for the options
+        devices = _device_list(device)
+        encoded = []
+        for g, bits, lo, hi, _ in header.segments():
+            cfg = _codec.CodecConfig(header.dim, bits, options.seed, options.rotation)
+            encoded.append(_encode_vectors(_group_view(host, header, g, lo, hi), cfg, block_vectors, devices))
+        raw = _raw_bytes(host, header) if header.version == _wire.VERSION_2 else []
 
     if not options.norm_bits:
         count, total, largest = _norm_overflow([n for _, n in encoded])
         if count and options.norm_dtype == "float16":
             raise NormOverflowError(NORM_OVERFLOW.format(count=count, total=total, largest=largest))
         if count or options.norm_dtype == "float32":
-            header = options.header(host.shape, dtype, norm_dtype="float32")
+            header = options.header(shape, dtype, norm_dtype="float32")
     ndt = np.float32 if header.norm_dtype == "float32" else np.float16
 
     pieces = [_wire.header_bytes(header)]
@@ -288,7 +392,6 @@ def _encode(x, options: _options.Options, block_vectors, device):
         pieces.append(_wire._I64.pack(nb.nbytes))
         pieces.append(memoryview(nb).cast("B"))
     if header.version == _wire.VERSION_2:
-        raw = _raw_bytes(host, header)
         pieces.append(_wire._I64.pack(sum(len(r) for r in raw)))
         pieces.extend(raw)
     return header, pieces
@@ -313,15 +416,30 @@ def _write(header, pieces, out: memoryview) -> int:
     return off
 
 
-def _resolve(bits, options: dict) -> _options.Options:
+def _resolve(bits, options, kwargs: dict) -> _options.Options:
+    """The one :class:`~tq_jax.Options` of a call: ``options=``, an Options passed as
+    ``bits``, or ``bits`` plus keyword fields."""
     if isinstance(bits, _options.Options):
-        if options:
-            raise ValueError("pass either an Options object or keyword options, not both")
-        return bits
-    return _options.Options.make(bits, **options)
+        if options is not None:
+            raise ValueError("pass the Options once: as `options=`, not also as `bits`")
+        bits, options = None, bits
+    if options is not None:
+        if not isinstance(options, _options.Options):
+            raise TypeError(
+                f"`options` must be a tq_jax.Options, got {type(options).__name__}: build one with "
+                f"tq_jax.Options.make(bits, ...) or pass the fields as keywords instead."
+            )
+        if bits is not None or kwargs:
+            given = (["bits"] if bits is not None else []) + sorted(kwargs)
+            raise ValueError(
+                f"pass either an Options object or bits/keyword options, not both (got Options and {given}): "
+                f"use options.replace(...) to change a field."
+            )
+        return options
+    return _options.Options.make(bits, **kwargs)
 
 
-def serialized_size(shape, dtype, bits=None, **options) -> int:
+def serialized_size(shape, dtype, bits=None, *, options=None, **kwargs) -> int:
     """Exact blob length for a tensor of ``shape``/``dtype`` under ``bits``/``options``.
 
     Computed from the layout alone. With ``norm_dtype="auto"`` (the default) this is
@@ -333,10 +451,10 @@ def serialized_size(shape, dtype, bits=None, **options) -> int:
         >>> serialized_size((2, 32, 256, 8, 128), "bfloat16", 4)
         8650831
     """
-    return _resolve(bits, options).serialized_size(shape, dtype)
+    return _resolve(bits, options, kwargs).serialized_size(shape, dtype)
 
 
-def dumps(x, bits=None, *, block_vectors: int | None = None, device=None, **options) -> bytes:
+def dumps(x, bits=None, *, options=None, block_vectors: int | None = None, device=None, **kwargs) -> bytes:
     """Encode a tensor into a TQ01 blob.
 
     With the reference's settings (one ``bits`` of 2, 3, 4, 6 or 8, Haar rotation,
@@ -346,12 +464,14 @@ def dumps(x, bits=None, *, block_vectors: int | None = None, device=None, **opti
     Args:
         x: numpy or jax array ``(..., head_dim)`` of bfloat16, float16 or float32. With
             per-group bits or raw layers: ``[2 (K, V) or 1, layers, ..., head_dim]``.
-        bits: bits per coordinate for every vector (or an :class:`~tq_jax.Options`).
+        bits: bits per coordinate for every vector (an :class:`~tq_jax.Options` here
+            is taken as ``options``).
+        options: a :class:`~tq_jax.Options`; then pass neither ``bits`` nor fields.
         block_vectors: vectors per kernel call (default: ~2**19 coordinates on CPU, 2**20 elsewhere).
         device: JAX device to compute on (default: JAX's default device), or a
             sequence of devices that take blocks in turn; the bytes do not depend
             on how many devices share the work.
-        **options: :class:`~tq_jax.Options` fields: ``seed`` (42), ``key_bits``,
+        **kwargs: :class:`~tq_jax.Options` fields: ``seed`` (42), ``key_bits``,
             ``value_bits``, ``skip_first_layers``, ``skip_last_layers``, ``rotation``
             ("haar"), ``norm_dtype`` ("auto"), ``norm_correction``, ``checksum``, ``norm_bits`` (0).
 
@@ -362,14 +482,14 @@ def dumps(x, bits=None, *, block_vectors: int | None = None, device=None, **opti
         ValueError: unsupported bits/dtype/shape/option.
         NormOverflowError: ``norm_dtype="float16"`` and a finite norm exceeds 65504.
     """
-    header, pieces = _encode(x, _resolve(bits, options), block_vectors, device)
+    header, pieces = _encode(x, _resolve(bits, options, kwargs), block_vectors, device)
     out = b"".join(_with_trailer(header, pieces))  # one allocation, no extra copy
     if len(out) != _wire.blob_nbytes(header):
         raise AssertionError(f"tq_jax wrote {len(out)} bytes, its header implies {_wire.blob_nbytes(header)}")
     return out
 
 
-def dump_into(x, out, bits=None, *, block_vectors: int | None = None, device=None, **options) -> int:
+def dump_into(x, out, bits=None, *, options=None, block_vectors: int | None = None, device=None, **kwargs) -> int:
     """Like :func:`dumps`, but write into ``out`` (a writable bytes-like/uint8 buffer).
 
     Nothing is written unless the whole blob fits and encoding succeeded.
@@ -384,15 +504,15 @@ def dump_into(x, out, bits=None, *, block_vectors: int | None = None, device=Non
     mv = memoryview(out.reshape(-1)) if isinstance(out, np.ndarray) else memoryview(out).cast("B")
     if mv.readonly:
         raise ValueError("dump_into needs a writable buffer, got a read-only one")
-    opts = _resolve(bits, options)
-    host = _host_view(x)
-    need = opts.serialized_size(host.shape, _check_tensor(host))
+    opts = _resolve(bits, options, kwargs)
+    arr = x if isinstance(x, (np.ndarray, jax.Array)) else _host_view(x)  # a jax.Array stays put
+    need = opts.serialized_size(arr.shape, _check_tensor(arr))
     if len(mv) < need:
         raise ValueError(
             f"output buffer holds {len(mv)} bytes but this blob needs {need}: allocate "
             f"tq_jax.serialized_size(shape, dtype, ...) bytes."
         )
-    header, pieces = _encode(host, opts, block_vectors, device)
+    header, pieces = _encode(arr, opts, block_vectors, device)
     if _wire.blob_nbytes(header) > len(mv):  # "auto" norms grew to float32
         raise ValueError(
             f"output buffer holds {len(mv)} bytes but this blob needs {_wire.blob_nbytes(header)}: some "
@@ -476,6 +596,72 @@ def _decode_parsed(p: _wire.Parsed, out: np.ndarray, block_vectors, device) -> N
                     off += n
 
 
+def _decode_segment(stream, norms, cfg: _codec.CodecConfig, n: int, block: int, dtype, device):
+    """Traced: the ``(n, dim)`` vectors of one segment's stream and norms."""
+    dim, row_bits = cfg.dim, cfg.dim * cfg.bits
+    full, tail = divmod(n, block)
+    parts = []
+    if full:
+        nbytes = full * block * row_bits // 8
+        blocks = stream[:nbytes].reshape(full, block * row_bits // 8)
+        nb = norms[: full * block].reshape(full, block)
+        out = jax.lax.map(lambda a: _codec.decode_stream(a[0], a[1], cfg, dtype, device), (blocks, nb))
+        parts.append(out.reshape(full * block, dim))
+    if tail:
+        rows = bucket(tail)
+        piece = stream[full * block * row_bits // 8 :]
+        piece = jnp.pad(piece, (0, rows * row_bits // 8 - piece.shape[0]))
+        nb = jnp.pad(norms[full * block :], (0, rows - tail))
+        parts.append(_codec.decode_stream(piece, nb, cfg, dtype, device).reshape(rows, dim)[:tail])
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
+@functools.lru_cache(maxsize=_RESIDENT_PROGRAMS)
+def _resident_decoder(header: _wire.Header, dtype, block: int, device):
+    cfgs = _segment_configs(header, header.seed, header.rotation, header.norm_correction)
+    for cfg in cfgs:
+        _codec.device_tables(cfg, device)
+    segments = tuple(header.segments())
+    raw_ranges = tuple(_raw_ranges(header))
+    src = jnp.dtype(header.dtype)
+
+    def program(streams, norms, raw):
+        out = jnp.zeros(header.shape, dtype)
+        for (g, _, lo, hi, n), cfg, stream, nrm in zip(segments, cfgs, streams, norms):
+            if n == 0:
+                continue
+            v = _decode_segment(stream, nrm, cfg, n, block, dtype, device)
+            if g is None:
+                out = v.reshape(header.shape)
+            else:
+                out = out.at[g, lo:hi].set(v.reshape(out[g, lo:hi].shape))
+        off = 0
+        for g, lo, hi in raw_ranges:
+            part_shape = out[g, lo:hi].shape
+            count = math.prod(part_shape) * src.itemsize
+            vals = jax.lax.bitcast_convert_type(raw[off : off + count].reshape(-1, src.itemsize), src)
+            out = out.at[g, lo:hi].set(vals.reshape(part_shape).astype(dtype))
+            off += count
+        return out
+
+    placed = jax.sharding.SingleDeviceSharding(device)
+    return jax.jit(program, in_shardings=placed, out_shardings=placed)
+
+
+def _decode_resident(p: _wire.Parsed, dtype, block_vectors, device) -> jax.Array:
+    """The blob's tensor decoded on ``device``: sections go there as they are, the
+    result is born there (no host output buffer)."""
+    h = p.header
+    norms = [
+        _codec.decode_log_norms(n.ranges, n.codes, n.bits, n.count) if isinstance(n, _wire.NormCodes) else n
+        for n in p.norms
+    ]
+    raw = p.raw if len(p.raw) else np.zeros(0, np.uint8)
+    args = jax.device_put(([np.asarray(s) for s in p.indices], [np.asarray(n) for n in norms], np.asarray(raw)), device)
+    block = _block_vectors(h.dim, block_vectors, [device])
+    return _resident_decoder(h, jnp.dtype(dtype), block, device)(*args)
+
+
 def _check_out_dtype(dtype):
     try:
         dt = jnp.dtype(dtype)
@@ -504,6 +690,8 @@ def loads(blob, *, dtype=None, block_vectors: int | None = None, device=None) ->
     """
     p = _wire.parse(blob)
     dt = _check_out_dtype(p.header.dtype if dtype is None else dtype)
+    if isinstance(device, jax.Device) and not p.header.use_qjl:  # decoded where it will live
+        return _decode_resident(p, dt, block_vectors, device)
     out = _aligned_empty(p.header.shape, _np_dtype(dt))
     _decode_parsed(p, out, block_vectors, device)
     # Zero-copy on CPU: `out` is 64-byte aligned. With several devices the result
