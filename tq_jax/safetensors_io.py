@@ -30,7 +30,7 @@ file behind. The temporary file is created like ``open(path, "w")`` creates a fi
 mode ``0o666`` less the process umask — so the output gets the permissions ``cp`` would
 give it (a ``tempfile.mkstemp`` file would keep its private ``0o600`` through the
 rename). :class:`AtomicFile` is that mechanism on its own, shared with the numpy
-writers; :func:`remove_temp_files` lets a signal handler delete every unfinished one.
+writers of :mod:`tq_jax.batch.writers`; :func:`remove_temp_files` lets a signal handler delete every unfinished one.
 """
 
 from __future__ import annotations
