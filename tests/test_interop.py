@@ -33,7 +33,7 @@ def torch():
 
 @pytest.fixture(scope="module")
 def ref_codec(torch):
-    return pytest.importorskip("lmcache_turbo_quant_serde._codec")
+    return pytest.importorskip("lmcache_turbo_quant_serde")  # its public TurboQuantSerializer/Deserializer
 
 
 def to_numpy(t):
@@ -150,7 +150,7 @@ _PINNED_SCRIPT = r"""
 import json, sys
 import numpy as np
 import torch
-from lmcache_turbo_quant_serde._codec import TurboQuantSerializer
+from lmcache_turbo_quant_serde import TurboQuantSerializer
 spec = json.loads(sys.argv[1])
 inp = np.load(spec["inputs"])
 out = {"capability": np.array(torch.backends.cpu.get_cpu_capability())}
