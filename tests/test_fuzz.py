@@ -488,9 +488,11 @@ def test_regression_caches_keyed_by_header_fields_are_bounded():
         struct.pack_into("<i", blob, 9, 1000 + seed)  # the v1 seed field, as a reader meets it
         tq_jax.loads(bytes(blob))
     assert len(codec._device_cache) <= codec._DEVICE_CACHE_SIZE
-    from tq_jax import codebook
+    from tq_jax import codebook, rotation
 
-    assert codebook._lloyd_max.cache_info().maxsize is not None
+    for caches in (codebook.CACHES, rotation.CACHES):
+        for cache in caches.values():
+            assert cache.stats().max_entries is not None
 
 
 def test_regression_qjl_seed_that_no_writer_can_produce_is_refused_by_the_parser():

@@ -33,14 +33,15 @@ results are returned as float32, like the reference's tables.
 
 from __future__ import annotations
 
-import functools
 import math
 from numbers import Integral
 from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["Codebook", "lloyd_max", "expected_mse", "BITS_RANGE", "MIN_DIM"]
+from tq_jax import _lru
+
+__all__ = ["Codebook", "lloyd_max", "expected_mse", "BITS_RANGE", "MIN_DIM", "CACHES", "cache_stats", "clear_caches"]
 
 BITS_RANGE = range(1, 9)
 MIN_DIM = 2
@@ -160,9 +161,30 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     return a
 
 
-# Bounded: decoders look tables up by the head_dim and bits a blob's header names.
-@functools.lru_cache(maxsize=1024)
+# Bounded: decoders look tables up by the head_dim and bits a blob's header names. A
+# codebook is at most 2 KiB (8 bits), so the entry count is the binding bound.
+_CODEBOOK_CACHE = _lru.LRU("Lloyd-Max codebook", 1024, 4 << 20)
+_MSE_CACHE = _lru.LRU("Lloyd-Max expected MSE", 1024)
+# The module's caches by name: each has .stats() and .clear() (tq_jax._lru.LRU).
+CACHES = {"lloyd_max": _CODEBOOK_CACHE, "expected_mse": _MSE_CACHE}
+
+
+def cache_stats() -> dict:
+    """``{name: tq_jax._lru.Stats}`` of the codebook caches (entries, bytes, hits...)."""
+    return {name: c.stats() for name, c in CACHES.items()}
+
+
+def clear_caches() -> None:
+    """Empty the codebook caches (tables are re-solved, identically, on demand)."""
+    for c in CACHES.values():
+        c.clear()
+
+
 def _lloyd_max(dim: int, bits: int) -> Codebook:
+    return _CODEBOOK_CACHE.get_or_create((dim, bits), lambda: _build_lloyd_max(dim, bits))
+
+
+def _build_lloyd_max(dim: int, bits: int) -> Codebook:
     centroids, inner = _solve(dim, bits)
     return Codebook(
         centroids=_readonly(centroids.astype(np.float32)),
@@ -206,11 +228,14 @@ def lloyd_max(dim: int, bits: int) -> Codebook:
     return _lloyd_max(_check_dim(dim), _check_bits(bits))
 
 
-@functools.lru_cache(maxsize=None)
 def _expected_mse(dim: int, bits: int) -> float:
+    return _MSE_CACHE.get_or_create((dim, bits), lambda: _build_expected_mse(dim, bits))
+
+
+def _build_expected_mse(dim: int, bits: int) -> float:
     cb = _lloyd_max(dim, bits)
-    return _distortion(
-        cb.centroids.astype(np.float64), cb.boundaries.astype(np.float64), 1.0 / math.sqrt(dim)
+    return float(
+        _distortion(cb.centroids.astype(np.float64), cb.boundaries.astype(np.float64), 1.0 / math.sqrt(dim))
     )
 
 

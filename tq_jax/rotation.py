@@ -55,11 +55,12 @@ BLAS kernel numpy's OpenBLAS picks for the CPU; rounded to float32 they did not
 
 from __future__ import annotations
 
-import functools
 import math
 from numbers import Integral
 
 import numpy as np
+
+from tq_jax import _lru
 
 __all__ = [
     "torch_randn",
@@ -72,6 +73,9 @@ __all__ = [
     "ROTATIONS",
     "QJL_SEED_OFFSET",
     "SIGN_SEED_XOR",
+    "CACHES",
+    "cache_stats",
+    "clear_caches",
 ]
 
 KERNELS = ("avx2", "scalar")
@@ -82,7 +86,10 @@ QJL_SEED_OFFSET = 999999  # the QJL matrix's seed is seed + this: tqai.quantizer
 SIGN_SEED_XOR = 0x5A5A5A5A  # the structured rotation's sign stream: MT19937(seed32 ^ this)
 _SEED_MASK = 0xFFFFFFFF
 _BLOCK = 16  # torch's normal_fill works on blocks of 16 uniforms
+# The tables are built from a header's (dim, seed) alone, so their caches are bounded
+# by entries and by bytes: a Haar rotation at MAX_DENSE_DIM is 4 MiB of float32.
 _CACHE_SIZE = 64
+_CACHE_BYTES = 64 << 20
 
 _F = np.float32
 _DIM_ERROR = (
@@ -323,8 +330,29 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     return a
 
 
-@functools.lru_cache(maxsize=_CACHE_SIZE)
+_HAAR_CACHE = _lru.LRU("Haar rotation", _CACHE_SIZE, _CACHE_BYTES)
+_QJL_CACHE = _lru.LRU("QJL matrix", _CACHE_SIZE, _CACHE_BYTES)
+_STRUCTURED_CACHE = _lru.LRU("structured rotation", _CACHE_SIZE, _CACHE_BYTES)
+# The module's table caches by name: each has .stats() and .clear() (tq_jax._lru.LRU).
+CACHES = {"haar": _HAAR_CACHE, "qjl": _QJL_CACHE, "structured": _STRUCTURED_CACHE}
+
+
+def cache_stats() -> dict:
+    """``{name: tq_jax._lru.Stats}`` of the rotation and QJL caches (entries, bytes, hits...)."""
+    return {name: c.stats() for name, c in CACHES.items()}
+
+
+def clear_caches() -> None:
+    """Empty the rotation and QJL caches (tables are rebuilt, identically, on demand)."""
+    for c in CACHES.values():
+        c.clear()
+
+
 def _haar_rotation(dim: int, seed32: int) -> np.ndarray:
+    return _HAAR_CACHE.get_or_create((dim, seed32), lambda: _build_haar_rotation(dim, seed32))
+
+
+def _build_haar_rotation(dim: int, seed32: int) -> np.ndarray:
     # kernel="avx2" unconditionally: the rotation tq_jax writes must not depend on the host
     g = torch_randn(dim * dim, seed32, kernel="avx2").reshape(dim, dim).astype(np.float64)
     q, r = np.linalg.qr(g)
@@ -369,8 +397,11 @@ def haar_rotation(dim: int, seed: int) -> np.ndarray:
     return _haar_rotation(dim, _check_seed(seed) & _SEED_MASK)
 
 
-@functools.lru_cache(maxsize=_CACHE_SIZE)
 def _qjl_matrix(dim: int, sketch_size: int, seed: int) -> np.ndarray:
+    return _QJL_CACHE.get_or_create((dim, sketch_size, seed), lambda: _build_qjl_matrix(dim, sketch_size, seed))
+
+
+def _build_qjl_matrix(dim: int, sketch_size: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed + QJL_SEED_OFFSET)
     g = rng.standard_normal((sketch_size, dim)).astype(_F)
     g /= _F(math.sqrt(sketch_size))
@@ -453,8 +484,11 @@ class Structured(tuple):
         return np.kron(self.odd.astype(np.float64), hadamard(p)) * self.signs.astype(np.float64)[None, :]
 
 
-@functools.lru_cache(maxsize=_CACHE_SIZE)
 def _structured_rotation(dim: int, seed32: int) -> Structured:
+    return _STRUCTURED_CACHE.get_or_create((dim, seed32), lambda: _build_structured_rotation(dim, seed32))
+
+
+def _build_structured_rotation(dim: int, seed32: int) -> Structured:
     m = dim
     while m % 2 == 0:
         m //= 2
