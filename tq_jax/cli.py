@@ -48,10 +48,12 @@ class _OnFirstUse:
 
 _batch = _OnFirstUse("tq_jax.batch")
 _st = _OnFirstUse("tq_jax.safetensors_io")
+_codebook = _OnFirstUse("tq_jax.codebook")
+_options = _OnFirstUse("tq_jax.options")
+_wire = _OnFirstUse("tq_jax.wire")
 __all__ = ["main", "build_parser", "CliError", "option_flags", "options_from_args"]
 
 PROG = "tq-jax"
-BITS = tuple(range(1, 9))
 DEFAULT_BITS = 4  # --bits when neither it nor a preset nor --key-bits/--value-bits says
 
 
@@ -314,9 +316,7 @@ def _run(args, plan_fn, verb: str) -> int:
 
 
 def _options_cls(options_cls=None):
-    if options_cls is None:
-        from tq_jax.options import Options as options_cls
-    return options_cls
+    return _options.Options if options_cls is None else options_cls
 
 
 def option_flags(options_cls=None) -> tuple[str, ...]:
@@ -533,8 +533,8 @@ def cmd_bench(args) -> int:
             b = int(b)
         except ValueError:
             b = None
-        if b not in BITS:
-            raise CliError(f"--bits takes a comma-separated list of {BITS}, got {args.bits!r}")
+        if b not in _codebook.BITS_RANGE:
+            raise CliError(f"--bits takes a comma-separated list of {tuple(_codebook.BITS_RANGE)}, got {args.bits!r}")
         bits.append(b)
     if args.repeats < 1:
         raise CliError(f"--repeats must be at least 1, got {args.repeats}")
@@ -595,8 +595,6 @@ def _flag_kwargs(f) -> dict:
     """
     import dataclasses
 
-    from tq_jax import options as _options
-
     kind, m = _options.field_type(f), f.metadata
     values, off = m.get("values"), m.get("off")
     help_ = m["help"]
@@ -642,9 +640,11 @@ def build_parser(options_cls=None) -> argparse.ArgumentParser:
                        description="Every floating tensor whose last axis is --head-dim becomes TQ01 blob(s) "
                                    "stored as a U8 tensor under the same name; other tensors pass through.")
     _add_run_options(p, "compress")
-    p.add_argument("--bits", type=int, choices=range(1, 9), metavar="{1..8}",
-                   help="bits per coordinate (default: 4); 2, 3, 4, 6 and 8 keep TQ01 version 1, "
-                        "the reference's format, unless another option needs version 2")
+    p.add_argument("--bits", type=int, choices=_codebook.BITS_RANGE,
+                   metavar="{" + _options.describe_values(_codebook.BITS_RANGE) + "}",
+                   help=f"bits per coordinate of every group (default: {DEFAULT_BITS}); "
+                        f"{', '.join(map(str, _wire.READ_BITS_V1[:-1]))} and {_wire.READ_BITS_V1[-1]} "
+                        "keep TQ01 version 1, the reference's format, unless another option needs version 2")
     g = p.add_argument_group("TQ01 version 2 options (blobs the reference cannot read)")
     g.add_argument("--preset", choices=sorted(tq_jax.PRESETS), help="a named set of options (later flags override)")
     add_option_flags(p, g, options_cls)
