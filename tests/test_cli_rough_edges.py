@@ -271,3 +271,22 @@ def test_turbo_preset_and_norm_bits_flag_reach_the_blobs(tmp_path):
     r = subprocess.run([sys.executable, "-m", "tq_jax", "inspect", str(tmp_path / "c6.safetensors")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "6-bit log norms" in r.stdout, r.stdout + r.stderr
+
+
+def test_cli_and_batch_errors_end_with_one_line_and_status_1(tmp_path, capsys):
+    """cli's own CliError (flags) and batch's BatchError (files) are reported the same way."""
+    from tq_jax import batch
+
+    assert not issubclass(cli.CliError, batch.BatchError) and not issubclass(batch.BatchError, cli.CliError)
+    x = tmp_path / "x.npy"
+    np.save(x, np.ones((2, HD), np.float32))
+    cases = [
+        (("compress", x, tmp_path / "o.safetensors", "--chunk-mb", "0"), "--chunk-mb must be positive"),  # CliError
+        (("compress", x, tmp_path / "o.safetensors", "--norm-bits", "4", "--norm-dtype", "float32"),
+         "invalid codec options: `norm_bits` and norm_dtype='float32'"),  # CliError from Options
+        (("inspect", tmp_path / "missing.safetensors"), "no such file"),  # BatchError
+    ]
+    for argv, want in cases:
+        assert run(*argv) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("tq-jax: error: ") and want in err, err
