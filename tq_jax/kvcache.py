@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import struct
 from typing import TYPE_CHECKING, NamedTuple
 
 import jax
@@ -67,7 +66,6 @@ BLOCK_TOKENS = 1024
 MIN_BLOCK_TOKENS = 16
 IMPLS = ("xla", "pallas")
 _HI = lax.Precision.HIGHEST
-_I64 = struct.Struct("<q")
 _DTYPES = ("bfloat16", "float16", "float32")
 
 # --------------------------------------------------------------------------- messages
@@ -832,18 +830,12 @@ def export(cache: KVCache, seq: int = 0, page: int | None = None) -> bytes:
         )
     kc, kn, vc, vn = (_host(a)[:t] for a in parts)
     header = _writer_options(cfg).header((2, 1, t, cfg.kv_heads, cfg.head_dim), cfg.dtype)
-    groups = [(kc.reshape(-1), kn.reshape(-1)), (vc.reshape(-1), vn.reshape(-1))]
+    kn, vn = kn.reshape(-1).astype(np.float16), vn.reshape(-1).astype(np.float16)
     if len(header.segments()) == 1:  # one stream: K's vectors then V's
-        groups = [(np.concatenate([kc.reshape(-1), vc.reshape(-1)]), np.concatenate([kn.reshape(-1), vn.reshape(-1)]))]
-    pieces = [_wire.header_bytes(header)]
-    for codes, norms in groups:
-        pieces += [_I64.pack(codes.nbytes), codes.tobytes(), _I64.pack(norms.nbytes), norms.astype(np.float16).tobytes()]
-    if header.version == _wire.VERSION_2:
-        pieces.append(_I64.pack(0))  # no raw layers
-    out = b"".join(pieces)
-    if len(out) != _wire.blob_nbytes(header):
-        raise AssertionError(f"tq_jax kvcache wrote {len(out)} bytes, its header implies {_wire.blob_nbytes(header)}")
-    return out
+        sections = _wire.Sections([[kc, vc]], [np.concatenate([kn, vn])])
+    else:  # a segment per group; no raw layers
+        sections = _wire.Sections([[kc], [vc]], [kn, vn])
+    return b"".join(_wire.pieces(header, sections))  # every section length checked against the header
 
 
 def _check_blob(cfg: CacheConfig, h: _wire.Header, limit: int, where: str) -> int:
