@@ -1,0 +1,186 @@
+"""The device-resident path: a jax.Array is encoded where it lives, loads(device=) decodes there.
+
+The independent expectation for every blob is the numpy (host) path's bytes, which
+tests/test_interop.py pins against the reference plugin.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tq_jax
+from tq_jax import blob
+
+from conftest import sweep
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CASES = sweep(
+    [
+        # (shape, dtype, options kwargs, block_vectors): small blocks exercise lax.map + tail
+        ((2, 4, 37, 3, 64), "bfloat16", dict(bits=4), 64),  # v1, Haar, planar rows
+        ((2, 4, 37, 3, 64), "bfloat16", dict(preset="turbo-3.5"), 64),  # v2: groups, nc, norm codes, CRC
+        ((2, 6, 30, 2, 96), "float16", dict(key_bits=4, value_bits=3, skip_first_layers=1, skip_last_layers=1,
+                                            checksum=True, norm_bits=6, rotation="hadamard",
+                                            norm_correction=True), 32),  # raw layers
+        ((5, 7, 36), "float32", dict(bits=3, norm_dtype="float32"), 8),  # natural order (36*3 % 8 != 0), f32 norms
+        ((1000, 64), "bfloat16", dict(bits=2, rotation="hadamard"), None),  # one partial block
+        ((2, 4, 37, 3, 64), "bfloat16", dict(preset="turbo-2.5"), None),
+        ((3, 16, 128), "float32", dict(bits=8, seed=7), 16),  # grid quantizer
+    ],
+    fast=4,
+)
+
+
+def _options(kw):
+    kw = dict(kw)
+    if "preset" in kw:
+        return tq_jax.Options.make(**tq_jax.PRESETS[kw.pop("preset")], **kw)
+    return tq_jax.Options.make(**kw)
+
+
+def _input(shape, dtype, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape, np.float32).astype(jnp.dtype(dtype))
+
+
+@pytest.fixture
+def no_host_copy(monkeypatch):
+    """Fail if the encode takes the host path or copies the input to host."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the jax.Array input went through the host path")
+
+    monkeypatch.setattr(blob, "_host_view", refuse)
+    monkeypatch.setattr(blob, "_encode_vectors", refuse)
+
+
+class _Compiles:
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, name, duration, **kwargs):
+        if name == self.EVENT:
+            self.count += 1
+
+
+@pytest.fixture
+def compiles():
+    counter = _Compiles()
+    jax.monitoring.register_event_duration_secs_listener(counter)
+    yield counter
+    jax.monitoring.unregister_event_duration_listener(counter)
+
+
+@pytest.mark.parametrize("shape,dtype,kw,block", CASES)
+def test_jax_array_gives_the_numpy_bytes(shape, dtype, kw, block, monkeypatch):
+    x = _input(shape, dtype)
+    opts = _options(kw)
+    want = tq_jax.dumps(x, options=opts, block_vectors=block)
+    xj = jnp.asarray(x)
+    seen = []
+    real = blob._resident_encoder
+    monkeypatch.setattr(blob, "_resident_encoder", lambda *a: seen.append(a[-1]) or real(*a))
+    monkeypatch.setattr(blob, "_host_view", lambda *a: pytest.fail("host path taken"))
+    # Implicit device->host transfers are refused (on CPU arrays this guard is lenient,
+    # hence the host-path spies above); the packed result comes back by device_get.
+    with jax.transfer_guard_device_to_host("disallow"):
+        got = tq_jax.dumps(xj, options=opts, block_vectors=block)
+    assert seen == [jax.devices()[0]]
+    assert got == want
+    buf = bytearray(len(want) + 3)
+    with jax.transfer_guard_device_to_host("disallow"):
+        assert tq_jax.dump_into(xj, buf, options=opts, block_vectors=block) == len(want)
+    assert bytes(buf[: len(want)]) == want
+
+
+@pytest.mark.parametrize("shape,dtype,kw,block", CASES)
+def test_loads_on_a_device_equals_loads(shape, dtype, kw, block):
+    b = tq_jax.dumps(_input(shape, dtype, 1), options=_options(kw))
+    dev = jax.devices()[0]
+    for out_dtype in (None, jnp.float32):
+        want = np.asarray(tq_jax.loads(b, dtype=out_dtype, block_vectors=block))
+        got = tq_jax.loads(b, dtype=out_dtype, block_vectors=block, device=dev)
+        assert isinstance(got, jax.Array) and got.devices() == {dev}
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_device_path_keeps_the_host_path_errors(no_host_copy, monkeypatch):
+    with pytest.raises(ValueError, match="bfloat16, float16 or float32"):
+        tq_jax.dumps(jnp.ones((4, 8), jnp.int32), bits=4)
+    with pytest.raises(blob.NormOverflowError):
+        tq_jax.dumps(jnp.full((8, 16), 3e4, jnp.float32), bits=4, norm_dtype="float16")
+    big = tq_jax.dumps(jnp.full((8, 16), 3e4, jnp.float32), bits=4)  # "auto": float32 norms
+    assert tq_jax.parse(big).header.norm_dtype == "float32"
+    monkeypatch.undo()  # the numpy path, for the expectation
+    assert big == tq_jax.dumps(np.full((8, 16), 3e4, np.float32), bits=4)
+
+
+def test_second_call_does_not_recompile(compiles, no_host_copy):
+    x = jnp.asarray(_input((2, 2, 50, 2, 64), "bfloat16", 2))
+    opts = _options(dict(preset="turbo-3.5"))
+    dev = jax.devices()[0]
+    b = tq_jax.dumps(x, options=opts, block_vectors=64)
+    tq_jax.loads(b, device=dev, block_vectors=64)
+    assert compiles.count > 0, "the compile counter saw nothing: this test would pass vacuously"
+    n = compiles.count
+    for _ in range(2):
+        assert tq_jax.dumps(x, options=opts, block_vectors=64) == b
+        tq_jax.loads(b, device=dev, block_vectors=64)
+    assert compiles.count == n
+
+
+def test_options_argument():
+    x = _input((3, 5, 64), "float32")
+    opts = tq_jax.Options.make(3, rotation="hadamard")
+    want = tq_jax.dumps(x, bits=3, rotation="hadamard")
+    assert tq_jax.dumps(x, options=opts) == want
+    assert tq_jax.dumps(x, opts) == want  # an Options as `bits` keeps working
+    assert tq_jax.serialized_size(x.shape, "float32", options=opts) == len(want)
+    buf = bytearray(len(want))
+    assert tq_jax.dump_into(x, buf, options=opts) == len(want) and bytes(buf) == want
+    with pytest.raises(ValueError, match="not both"):
+        tq_jax.dumps(x, 3, options=opts)
+    with pytest.raises(ValueError, match="not both"):
+        tq_jax.dumps(x, options=opts, seed=1)
+    with pytest.raises(TypeError, match="tq_jax.Options"):
+        tq_jax.dumps(x, options={"bits": 3})
+
+
+@pytest.mark.slow
+def test_four_host_devices_encode_and_decode_where_asked():
+    code = """
+    import jax, jax.numpy as jnp, numpy as np, tq_jax
+    from tq_jax import blob
+    devs = jax.devices()
+    assert len(devs) == 4, devs
+    x = np.random.default_rng(0).standard_normal((2, 4, 300, 2, 64), np.float32).astype(jnp.bfloat16)
+    opts = tq_jax.Options.make(**tq_jax.PRESETS["turbo-3.5"])
+    want = tq_jax.dumps(x, options=opts)
+    seen = []
+    real = blob._resident_encoder
+    blob._resident_encoder = lambda *a: seen.append(a[-1]) or real(*a)
+    on3 = jax.device_put(x, devs[3])
+    assert tq_jax.dumps(on3, options=opts) == want
+    assert seen == [devs[3]], seen
+    assert tq_jax.dumps(on3, options=opts, device=devs[1]) == want  # moved device to device
+    assert seen[-1] == devs[1], seen
+    out = tq_jax.loads(want, device=devs[2])
+    assert out.devices() == {devs[2]}, out.devices()
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(tq_jax.loads(want)))
+    print("ok")
+    """
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
