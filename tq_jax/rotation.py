@@ -510,9 +510,10 @@ def structured_rotation(dim: int, seed: int) -> Structured:
     (3 for d = 96 or 192, 5 for 80, 7 for 112, 9 for 576) is a small dense Haar
     rotation. Applying it costs ``O(d (log p + m))`` instead of ``O(d²)``.
 
-    Measured quality (benchmarks/quality_study.py): per-coordinate MSE equal to Haar's
-    on Gaussian data and lower on data with outlier channels, because the Hadamard
-    factor spreads each channel evenly over all coordinates.
+    ``R`` is orthogonal (a Kronecker product of orthogonal factors times a sign
+    diagonal), so it keeps every vector's length, and the Hadamard factor spreads each
+    input channel evenly over ``p`` coordinates. Its quality against Haar is measured
+    by benchmarks/quality_study.py (docs/quality.md).
 
     Returns:
         :class:`Structured` ``(signs, odd)``, cached and read-only.

@@ -31,6 +31,13 @@ declared section length against the one the header implies *and* against the byt
 actually present, then "the sections cover the blob exactly" — and returns zero-copy
 numpy views. It never allocates from a size the header claims. Every failure is a
 subclass of :class:`WireError` (itself a ``ValueError``), one per cause.
+
+:func:`pieces` is its mirror: from a :class:`Header` and the :class:`Sections` (the
+same per-segment lists :class:`Parsed` holds) it returns the blob as zero-copy byte
+pieces — header, every length-prefixed section, the CRC32 trailer — after reading the
+header back through the parser's own checks and checking every section's length
+against the one :func:`parse` expects, so anything it writes parses.
+:func:`write_into` copies the pieces into a preallocated buffer.
 """
 
 from __future__ import annotations
@@ -123,7 +130,8 @@ MAX_QJL_SKETCH = 1 << 12
 # (head_dim² entries; for "hadamard" only its odd factor m²) and the QJL matrix (m·d).
 # Built in float64 with a QR, a rotation costs ~64·d² bytes and O(d³) time, so a
 # 20-byte header naming d = 65536 would ask for ~270 GB. Every such table is held to
-# MAX_DENSE_DIM² entries: 4 MiB cached, ~64 MiB and ~2 s while a Haar one is built.
+# MAX_DENSE_DIM² entries: 4 MiB of float32 cached (in byte-bounded caches, tq_jax._lru),
+# 64·MAX_DENSE_DIM² bytes (64 MiB) of float64 while a Haar one is built.
 MAX_DENSE_DIM = 1 << 10
 
 
