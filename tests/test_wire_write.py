@@ -219,3 +219,81 @@ def test_dumps_bytes_are_rebuilt_exactly_from_parsed_sections(kw, dtype):
     # the writer's own header (before parsing) is accepted and gives the same bytes
     writer = tq_jax.Options.make(**kw).header(x.shape, dtype, norm_dtype=p.header.norm_dtype)
     assert _join(writer, wire.Sections.from_parsed(p)) == blob
+
+
+# ----------------------------------------------------------------------------- property
+
+
+def _random_sections(h: wire.Header, rng) -> wire.Sections:
+    idx, nrm = [], []
+    for _, bits, _, _, n_vec in h.segments():
+        stream = rng.integers(0, 256, (n_vec * h.dim * bits + 7) // 8, dtype=np.uint8)
+        cut = int(rng.integers(0, len(stream) + 1))
+        idx.append([stream[:cut], stream[cut:].tobytes()])
+        if h.norm_bits:
+            groups = h.norm_groups(n_vec)
+            lo = rng.uniform(-5, 5, groups).astype(np.float32)
+            ranges = np.stack([lo, lo + rng.uniform(0, 3, groups).astype(np.float32)], axis=1)
+            codes = rng.integers(0, 256, (n_vec * h.norm_bits + 7) // 8, dtype=np.uint8)
+            nrm.append(wire.NormCodes(ranges, codes, h.norm_bits, n_vec))
+        else:
+            nrm.append(rng.random(n_vec).astype(h.norm_dtype))
+    raw = (rng.integers(0, 256, h.raw_nbytes(), dtype=np.uint8),) if h.raw_nbytes() else ()
+    sk = rn = None
+    if h.use_qjl:
+        sk = rng.integers(-1, 2, (h.num_vectors, h.qjl_sketch_size), dtype=np.int8)
+        rn = rng.random(h.num_vectors).astype(np.float16)
+    return wire.Sections(idx, nrm, raw, sk, rn)
+
+
+def _headers():
+    from hypothesis import strategies as st
+
+    dims = st.sampled_from([2, 8, 12, 16, 24])
+    dtypes = st.sampled_from(wire.DTYPES)
+    seeds = st.integers(-(2**31), 2**31 - 1)
+    v1 = st.builds(
+        lambda bits, seed, lead, d, dtype, qjl, m: wire.Header(
+            bits, max(seed, -999_999) if qjl else seed, (*lead, d), dtype, qjl, m if qjl else 64
+        ),
+        st.sampled_from(wire.READ_BITS_V1), seeds, st.lists(st.integers(0, 3), max_size=3), dims, dtypes,
+        st.booleans(), st.integers(1, 8),
+    )
+
+    def v2(kb, vb, seed, layers, rest, d, dtype, rot, nd, nc, ck, nb, kv, s0, s1):
+        shape = (2, layers, *rest, d) if kv else (layers, *rest, d)
+        s0, s1 = (min(s0, layers), min(s1, max(layers - s0, 0))) if kv else (0, 0)
+        return wire.Header(
+            kb, seed, shape, dtype, version=wire.VERSION_2, value_bits=vb if kv else kb, kv_layout=kv,
+            skip_first=s0, skip_last=s1, rotation=rot, norm_dtype="float16" if nb else nd,
+            norm_correction=nc, checksum=ck, norm_bits=nb,
+        )
+
+    v2s = st.builds(
+        v2, st.integers(1, 8), st.integers(1, 8), seeds, st.integers(0, 4), st.lists(st.integers(0, 3), max_size=2),
+        dims, dtypes, st.sampled_from(tuple(wire.ROTATION_CODES)), st.sampled_from(wire.NORM_DTYPES),
+        st.booleans(), st.booleans(), st.sampled_from([0, *wire.NORM_BITS]), st.booleans(),
+        st.integers(0, 2), st.integers(0, 2),
+    )
+    return st.one_of(v1, v2s)
+
+
+def test_property_pieces_and_parse_are_inverse():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=150, deadline=None, derandomize=True)
+    @given(_headers(), st.integers(0, 2**32 - 1))
+    def check(h, seed):
+        s = _random_sections(h, np.random.default_rng(seed))
+        blob = _join(h, s)
+        assert len(blob) == wire.blob_nbytes(h)
+        p = wire.parse(blob)
+        assert p.header == wire._canonical(h) and wire.peek_header(blob) == p.header
+        _assert_same_sections(p, s)
+        if h.use_qjl:
+            np.testing.assert_array_equal(p.sketch, s.sketch)
+            np.testing.assert_array_equal(p.residual_norms, s.residual_norms)
+        assert _join(p.header, wire.Sections.from_parsed(p)) == blob
+
+    check()
