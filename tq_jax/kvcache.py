@@ -66,7 +66,6 @@ BLOCK_TOKENS = 1024
 MIN_BLOCK_TOKENS = 16
 IMPLS = ("xla", "pallas")
 _HI = lax.Precision.HIGHEST
-_DTYPES = ("bfloat16", "float16", "float32")
 
 # --------------------------------------------------------------------------- messages
 
@@ -273,8 +272,8 @@ def init(
         dtype_name = jnp.dtype(dtype).name
     except TypeError:
         dtype_name = str(dtype)
-    if dtype_name not in _DTYPES:
-        raise ValueError(f"`dtype` must be one of {_DTYPES}, got {dtype!r}: the K/V dtype a TQ01 blob records.")
+    if dtype_name not in _wire.DTYPES:
+        raise ValueError(f"`dtype` must be one of {_wire.DTYPES}, got {dtype!r}: the K/V dtype a TQ01 blob records.")
     if block_tokens is not None:
         block_tokens = _power_of_two(block_tokens, "block_tokens", "tokens per step of attend's online softmax.")
     per_token = batch * kv_heads * head_dim * 4  # bytes of one token's float32 keys, all sequences and heads

@@ -411,8 +411,8 @@ def _build_qjl_matrix(dim: int, sketch_size: int, seed: int) -> np.ndarray:
 def qjl_matrix(dim: int, sketch_size: int, seed: int) -> np.ndarray:
     """The reference's QJL projection ``G`` (TQ01 "QJL residual").
 
-    ``default_rng(seed + 999999).standard_normal((m, dim))`` in float32, divided by
-    ``sqrt(m)``: entries N(0, 1/m), exactly ``tqai``'s
+    ``default_rng(seed + QJL_SEED_OFFSET).standard_normal((m, dim))`` in float32 (the
+    offset is 999999), divided by ``sqrt(m)``: entries N(0, 1/m), exactly ``tqai``'s
     ``PolarQuantizer._build_jl_matrix``.
 
     Args:
@@ -424,7 +424,7 @@ def qjl_matrix(dim: int, sketch_size: int, seed: int) -> np.ndarray:
         float32 ``(sketch_size, dim)``, cached and read-only.
 
     Raises:
-        ValueError: bad ``dim``/``sketch_size``/``seed``, or ``seed + 999999 < 0``
+        ValueError: bad ``dim``/``sketch_size``/``seed``, or ``seed + QJL_SEED_OFFSET < 0``
             (numpy cannot seed with a negative number).
 
     Examples:
