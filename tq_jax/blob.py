@@ -19,7 +19,6 @@ from __future__ import annotations
 import collections
 import functools
 import math
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -176,7 +175,7 @@ class _Staging:
 
 def _check_tensor(x: np.ndarray) -> str:
     try:
-        dtype = _wire._dtype_name(x.dtype)
+        dtype = _wire.dtype_name(x.dtype)
     except ValueError:
         raise ValueError(
             f"can only encode bfloat16, float16 or float32 tensors, got {x.dtype}: cast it "
@@ -352,7 +351,7 @@ def _resident_device(x, device):
 
 
 def _encode(x, options: _options.Options, block_vectors, device):
-    """Encode ``x`` under ``options``: (header, [byte pieces in wire order])."""
+    """Encode ``x`` under ``options``: (header, ``wire.pieces`` of the blob)."""
     dev = _resident_device(x, device)
     if dev is not None:
         dtype = _check_tensor(x)
@@ -379,41 +378,15 @@ def _encode(x, options: _options.Options, block_vectors, device):
         if count or options.norm_dtype == "float32":
             header = options.header(shape, dtype, norm_dtype="float32")
     ndt = np.float32 if header.norm_dtype == "float32" else np.float16
-
-    pieces = [_wire.header_bytes(header)]
-    for (chunks, norms), (_, _, _, _, n_vec) in zip(encoded, header.segments()):
-        pieces.append(_wire._I64.pack(sum(len(c) for c in chunks)))
-        pieces.extend(memoryview(c) for c in chunks)
+    norm_sections = []
+    for (_, norms), (_, _, _, _, n_vec) in zip(encoded, header.segments()):
         if header.norm_bits:
             ranges, codes = _codec.encode_log_norms(norms, header.norm_groups(n_vec), header.norm_bits)
-            nb = np.concatenate([ranges.astype("<f4").reshape(-1).view(np.uint8), codes])
+            norm_sections.append(_wire.NormCodes(ranges, codes, header.norm_bits, n_vec))
         else:
-            nb = norms.astype(ndt)
-        pieces.append(_wire._I64.pack(nb.nbytes))
-        pieces.append(memoryview(nb).cast("B"))
-    if header.version == _wire.VERSION_2:
-        pieces.append(_wire._I64.pack(sum(len(r) for r in raw)))
-        pieces.extend(raw)
-    return header, pieces
-
-
-def _with_trailer(header, pieces: list) -> list:
-    """``pieces`` plus the CRC32 trailer when the header asks for one."""
-    if not header.checksum:
-        return pieces
-    crc = 0
-    for b in pieces:
-        crc = zlib.crc32(b, crc)
-    return pieces + [_wire._U32.pack(crc)]
-
-
-def _write(header, pieces, out: memoryview) -> int:
-    off = 0
-    for b in _with_trailer(header, pieces):
-        n = len(b)
-        out[off : off + n] = b
-        off += n
-    return off
+            norm_sections.append(norms.astype(ndt))
+    sections = _wire.Sections([chunks for chunks, _ in encoded], norm_sections, tuple(raw))
+    return header, _wire.pieces(header, sections)  # the CRC32 trailer included when asked for
 
 
 def _resolve(bits, options, kwargs: dict) -> _options.Options:
@@ -483,7 +456,7 @@ def dumps(x, bits=None, *, options=None, block_vectors: int | None = None, devic
         NormOverflowError: ``norm_dtype="float16"`` and a finite norm exceeds 65504.
     """
     header, pieces = _encode(x, _resolve(bits, options, kwargs), block_vectors, device)
-    out = b"".join(_with_trailer(header, pieces))  # one allocation, no extra copy
+    out = b"".join(pieces)  # one allocation, no extra copy
     if len(out) != _wire.blob_nbytes(header):
         raise AssertionError(f"tq_jax wrote {len(out)} bytes, its header implies {_wire.blob_nbytes(header)}")
     return out
@@ -518,7 +491,7 @@ def dump_into(x, out, bits=None, *, options=None, block_vectors: int | None = No
             f"output buffer holds {len(mv)} bytes but this blob needs {_wire.blob_nbytes(header)}: some "
             f"norms overflow float16, so they are stored as float32. Pin norm_dtype to size buffers in advance."
         )
-    return _write(header, pieces, mv)
+    return _wire.write_into(pieces, mv)
 
 
 # --------------------------------------------------------------------------- decode

@@ -86,10 +86,7 @@ __all__ = [
     "ROTATIONS",
 ]
 
-try:  # one source of truth: tq_jax.rotation names the rotations
-    ROTATIONS = _rotation.ROTATIONS
-except AttributeError:  # until rotation.py exports it
-    ROTATIONS = ("haar", "hadamard")
+ROTATIONS = _rotation.ROTATIONS  # the one list of rotation names
 
 
 @dataclasses.dataclass(frozen=True)
