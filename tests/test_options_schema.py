@@ -33,7 +33,7 @@ def _variant():
     """Options plus a hypothetical boolean v2 option ``foo`` (a header flag, say)."""
     return dataclasses.make_dataclass(
         "OptionsWithFoo",
-        [("foo", bool, dataclasses.field(default=False, metadata=options_mod._meta("turn foo on", 2)))],
+        [("foo", bool, dataclasses.field(default=False, metadata=options_mod.field_metadata("turn foo on", 2)))],
         bases=(tq_jax.Options,),
         frozen=True,
     )

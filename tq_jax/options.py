@@ -6,6 +6,14 @@ shape and dtype alone it derives the TQ01 header — and so the exact blob size,
 the LMCache bridge reports before it has seen any data. The writer picks the lowest
 format version that can say it: version 1 (the reference's) when the settings are the
 reference's, version 2 otherwise.
+
+:class:`Options` is the one schema of these choices: each field's
+``dataclasses.field(metadata=field_metadata(...))`` holds its help text, the TQ01
+version a non-default value needs and its allowed values. Validation here, the LMCache
+bridge's option table (:func:`tq_jax.bridge.registry.option_table`) and the
+``tq-jax compress`` flags (:func:`tq_jax.cli.build_parser`) are generated from
+``dataclasses.fields(Options)``: a new option is a new field (plus, when blobs must
+record it, its header field in :mod:`tq_jax.wire` and its use in the codec).
 """
 
 from __future__ import annotations
@@ -18,7 +26,8 @@ from tq_jax import codebook as _codebook
 from tq_jax import rotation as _rotation
 from tq_jax import wire as _wire
 
-__all__ = ["Options", "NORM_DTYPES", "ROTATIONS", "PRESETS", "check_field", "describe_values"]
+__all__ = ["Options", "NORM_DTYPES", "ROTATIONS", "PRESETS", "check_field", "describe_values", "field_metadata",
+           "field_type"]
 
 NORM_DTYPES = ("auto",) + tuple(_wire.NORM_DTYPES)
 ROTATIONS = _rotation.ROTATIONS
@@ -26,7 +35,7 @@ _BITS_WHY = "it sets the codebook size 2**bits."
 _NORM_BITS_WHY = "0 keeps float norms; 2..8 store each norm as a code on a log-uniform grid of 2**norm_bits - 1 levels."
 
 
-def _meta(help: str, version: int, *, values=None, off=None, why: str = "") -> dict:
+def field_metadata(help: str, version: int, *, values=None, off=None, why: str = "") -> dict:
     """A field's schema: what it means (``help``), the TQ01 ``version`` that a non-default
     value needs, its allowed ``values`` (a ``range`` of ints or a tuple of choices; None:
     any value of the field's type), an ``off`` value accepted outside ``values`` (0 for
@@ -116,30 +125,30 @@ class Options:
             ``norm_bits`` bits per vector instead of 16 or 32.
     """
 
-    key_bits: int = dataclasses.field(metadata=_meta(
+    key_bits: int = dataclasses.field(metadata=field_metadata(
         "bits per coordinate of group 0 (keys) of KV tensors [2, layers, ..., head_dim]; default: bits",
         2, values=_codebook.BITS_RANGE, why=_BITS_WHY))
-    value_bits: int = dataclasses.field(metadata=_meta(
+    value_bits: int = dataclasses.field(metadata=field_metadata(
         "bits per coordinate of group 1 (values); default: bits", 2, values=_codebook.BITS_RANGE, why=_BITS_WHY))
-    seed: int = dataclasses.field(default=42, metadata=_meta(
+    seed: int = dataclasses.field(default=42, metadata=field_metadata(
         "rotation seed; every blob records its low 32 bits (as int32)", 1))
-    skip_first_layers: int = dataclasses.field(default=0, metadata=_meta(
+    skip_first_layers: int = dataclasses.field(default=0, metadata=field_metadata(
         "store the first N layers (axis 1) as their exact bytes", 2,
         values=range(0, _wire.MAX_SKIP_LAYERS + 1), why="a count of layers kept raw."))
-    skip_last_layers: int = dataclasses.field(default=0, metadata=_meta(
+    skip_last_layers: int = dataclasses.field(default=0, metadata=field_metadata(
         "store the last N layers as their exact bytes", 2,
         values=range(0, _wire.MAX_SKIP_LAYERS + 1), why="a count of layers kept raw."))
-    rotation: str = dataclasses.field(default="haar", metadata=_meta(
+    rotation: str = dataclasses.field(default="haar", metadata=field_metadata(
         "haar (the reference's dense rotation) or hadamard (fast, structured)", 2, values=ROTATIONS,
         why="'haar' is the reference's dense rotation, 'hadamard' the fast structured one (TQ01 v2)."))
-    norm_dtype: str = dataclasses.field(default="auto", metadata=_meta(
+    norm_dtype: str = dataclasses.field(default="auto", metadata=field_metadata(
         "float16 (v1), float32 (never overflows), or auto: float16 unless a norm overflows it, then float32",
         2, values=NORM_DTYPES))
-    norm_correction: bool = dataclasses.field(default=False, metadata=_meta(
+    norm_correction: bool = dataclasses.field(default=False, metadata=field_metadata(
         "decoders rescale centroid vectors to unit length", 2))
-    checksum: bool = dataclasses.field(default=False, metadata=_meta(
+    checksum: bool = dataclasses.field(default=False, metadata=field_metadata(
         "append a CRC32 to every blob, verified on load", 2))
-    norm_bits: int = dataclasses.field(default=0, metadata=_meta(
+    norm_bits: int = dataclasses.field(default=0, metadata=field_metadata(
         "0: norms stored as floats; 2..8: each norm a code of that many bits on a log-uniform grid "
         "per (K/V, layer)", 2, values=_wire.NORM_BITS, off=0, why=_NORM_BITS_WHY))
 
