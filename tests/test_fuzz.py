@@ -483,16 +483,27 @@ def test_regression_caches_keyed_by_header_fields_are_bounded():
     # Found by the long run's RSS samples: the device-table cache kept one entry per
     # (head_dim, bits, seed) a blob named, forever; a stream of blobs with fresh seeds
     # (or flipped seed bits, which v1 cannot detect) grew it without bound.
+    from tq_jax import _lru, codebook, rotation
+
+    # every module-level LRU of the codec and the layers below it (the codec's device
+    # tables move to tq_jax._lru too; until then its OrderedDict is checked directly)
+    def module_lrus(*mods):
+        return [v for m in mods for v in vars(m).values() if isinstance(v, _lru.LRU)]
+
+    lrus = module_lrus(codec, codebook, rotation)
+    legacy = getattr(codec, "_device_cache", None)
+    seeded = module_lrus(codec, rotation)  # the caches a seed keys (codebooks are keyed by dim, bits)
+    bound = max([c.max_entries for c in seeded] + [getattr(codec, "_DEVICE_CACHE_SIZE", 0)])
     blob = bytearray(tq_jax.dumps(_x((2, 8)), bits=2))
-    for seed in range(codec._DEVICE_CACHE_SIZE + 20):
+    for seed in range(bound + 20):
         struct.pack_into("<i", blob, 9, 1000 + seed)  # the v1 seed field, as a reader meets it
         tq_jax.loads(bytes(blob))
-    assert len(codec._device_cache) <= codec._DEVICE_CACHE_SIZE
-    from tq_jax import codebook, rotation
-
-    for caches in (codebook.CACHES, rotation.CACHES):
-        for cache in caches.values():
-            assert cache.stats().max_entries is not None
+    if legacy is not None and not isinstance(legacy, _lru.LRU):
+        assert len(legacy) <= codec._DEVICE_CACHE_SIZE
+    assert rotation.CACHES["haar"].stats().evictions >= 20  # the seeds went through a bounded cache
+    for cache in lrus:
+        s = cache.stats()
+        assert s.entries <= s.max_entries and (s.max_bytes is None or s.nbytes <= s.max_bytes), s
 
 
 def test_regression_qjl_seed_that_no_writer_can_produce_is_refused_by_the_parser():
