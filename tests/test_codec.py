@@ -372,13 +372,14 @@ def test_dump_into_writes_exact_size():
 
 
 def test_encode_kernel_cache_is_bounded(monkeypatch):
-    # the bound is read at each insertion, so a small one exercises the same eviction
-    # (the real bound would compile 69 programs)
-    monkeypatch.setattr(codec, "_MAX_ENCODE_KERNELS", 3)
+    # a small bound exercises the same eviction (the real one would compile 69 programs)
+    from tq_jax import _lru
+
+    monkeypatch.setattr(codec, "_encoders", _lru.LRU("test encoders", 3))
     x = np.random.default_rng(9).standard_normal((8, 16)).astype(np.float32)
     seeds = range(1000, 1008)
     for seed in seeds:
         tq_jax.dumps(x, bits=2, seed=seed)
         assert len(codec._encoders) <= 3
-    kept = {key[2] for key in codec._encoders}  # (dim, bits, seed, rotation, device)
+    kept = {key[2] for key in codec._encoders.keys()}  # (dim, bits, seed, rotation, device)
     assert kept == set(seeds[-3:]), kept  # oldest first out

@@ -1,8 +1,8 @@
 """Concurrency: the serde under LMCache's AsyncSerdeProcessor, and dumps/loads from threads.
 
-The codec's shared mutable state is its caches: ``functools.lru_cache`` tables
-(codebooks, rotations), ``codec._device_cache`` (device copies of the tables, an
-LRU behind a lock) and JAX's compiled-program caches. Each test runs its concurrent
+The codec's shared mutable state is its caches: bounded ``tq_jax._lru.LRU`` tables
+(codebooks, rotations), ``codec._device_cache`` (device copies of the tables, a
+bounded tq_jax._lru.LRU) and JAX's compiled-program caches. Each test runs its concurrent
 part *first*, with a head_dim and seed no other test uses, so that the caches are
 filled by racing threads; the serial run afterwards is the reference, and every byte
 and every decoded value must agree.
@@ -193,7 +193,7 @@ def test_device_table_cache_under_contention():
         got = list(pool.map(get, range(8)))
     assert all(g is got[0] for g in got)  # every thread holds the cached entry
     key = (56, 5, 31337, "haar", None)
-    assert codec._device_cache[key] is got[0]
+    assert codec._device_cache.get(key) is got[0]
     # Evicting under contention: many distinct keys from many threads, bounded result.
     cfgs = [codec.CodecConfig(dim=56, bits=2, seed=s) for s in range(codec._DEVICE_CACHE_SIZE + 40)]
     with ThreadPoolExecutor(8) as pool:

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tq_jax import _kernels
+from tq_jax import _kernels, _lru
 from tq_jax import packing as _packing
 from tq_jax import rotation as _rotation
 
@@ -175,8 +175,14 @@ class _Tables(NamedTuple):
     planar_dense: np.ndarray | None
 
 
-@functools.lru_cache(maxsize=64)
-def _tables(dim: int, bits: int, seed: int, rotation: str) -> _Tables:
+# Keyed by header fields (a decoder meets whatever seed and head_dim a blob names), so
+# every cache here is a bounded tq_jax._lru.LRU: by entries and by bytes held.
+_TABLE_CACHE_SIZE = 64
+_TABLE_CACHE_BYTES = 128 << 20  # a Haar table at MAX_DENSE_DIM holds two dense float32 copies
+_TABLES = _lru.LRU("codec tables", _TABLE_CACHE_SIZE, _TABLE_CACHE_BYTES)
+
+
+def _build_tables(dim: int, bits: int, seed: int, rotation: str) -> _Tables:
     cb, grid = _quantizer(dim, bits)
     planar_dense = None
     if rotation == "haar":
@@ -190,16 +196,18 @@ def _tables(dim: int, bits: int, seed: int, rotation: str) -> _Tables:
     return _Tables(op, cb.centroids, cb.boundaries, grid, planar_dense)
 
 
+def _tables(dim: int, bits: int, seed: int, rotation: str) -> _Tables:
+    return _TABLES.get_or_create((dim, bits, seed, rotation), lambda: _build_tables(dim, bits, seed, rotation))
+
+
 def tables(config: CodecConfig) -> _Tables:
     """The rotation and codebook arrays of ``config`` (cached, read-only numpy)."""
     return _tables(config.dim, config.bits, config.seed, config.rotation)
 
 
-# Keyed by header fields (a decoder meets whatever seed a blob names), so bounded:
-# least recently used entries go first, as in the lru_caches behind ``tables``.
+# One device copy per (dim, bits, seed, rotation, device).
 _DEVICE_CACHE_SIZE = 64
-_device_cache: collections.OrderedDict = collections.OrderedDict()
-_device_lock = threading.Lock()
+_device_cache = _lru.LRU("codec device tables", _DEVICE_CACHE_SIZE, _TABLE_CACHE_BYTES)
 
 
 def _to_arrays(t: _Tables, put) -> _Tables:
@@ -219,21 +227,29 @@ def device_tables(config: CodecConfig, device=None) -> _Tables:
     ``UnexpectedTracerError``.
     """
     key = (config.dim, config.bits, config.seed, config.rotation, device)
-    with _device_lock:
-        hit = _device_cache.get(key)
-        if hit is not None:
-            _device_cache.move_to_end(key)
-            return hit
-    with jax.ensure_compile_time_eval():
-        hit = _to_arrays(tables(config), functools.partial(jax.device_put, device=device))
-    if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(hit)):
-        raise AssertionError("tq_jax internal error: device tables were built as tracers")
-    with _device_lock:
-        hit = _device_cache.setdefault(key, hit)
-        _device_cache.move_to_end(key)
-        while len(_device_cache) > _DEVICE_CACHE_SIZE:
-            _device_cache.popitem(last=False)
-    return hit
+    hit = _device_cache.get(key)
+    if hit is not None:
+        return hit
+
+    def build():
+        with jax.ensure_compile_time_eval():
+            return _to_arrays(tables(config), functools.partial(jax.device_put, device=device))
+
+    return _device_cache.put(key, build())  # refuses tracers (tq_jax._lru)
+
+
+CACHES = {"tables": _TABLES, "device tables": _device_cache}  # name -> tq_jax._lru.LRU (plus the encoders below)
+
+
+def cache_stats() -> dict:
+    """``{name: tq_jax._lru.Stats}`` of the codec's caches (tables, device tables, encoders)."""
+    return {name: c.stats() for name, c in CACHES.items()}
+
+
+def clear_caches() -> None:
+    """Empty the codec's caches (everything is rebuilt, identically, on demand)."""
+    for c in CACHES.values():
+        c.clear()
 
 
 # --------------------------------------------------------------------------- blocks
@@ -279,10 +295,9 @@ def decode_stream(stream, norms, config: CodecConfig, dtype, device=None):
 # Compiled block encoders, one per (dim, bits, seed, rotation, device): like the device
 # tables, keyed by values a writer chooses, so bounded (least recently used go first).
 _MAX_ENCODE_KERNELS = 64
-_encoders: collections.OrderedDict = collections.OrderedDict()
-_encoders_lock = threading.Lock()
-
-
+_encoders = _lru.LRU("codec block encoders", _MAX_ENCODE_KERNELS)
+CACHES["block encoders"] = _encoders
+_programs_lock = threading.Lock()
 _programs: collections.OrderedDict = collections.OrderedDict()  # program signatures seen
 _MAX_PROGRAM_KEYS = 4096
 _programs_seen = 0
@@ -292,7 +307,7 @@ def _note_program(key) -> None:
     global _programs_seen
     if key in _programs:
         return
-    with _encoders_lock:
+    with _programs_lock:
         if key not in _programs:
             _programs_seen += 1
             _programs[key] = None
@@ -316,27 +331,20 @@ def _block_encoder(config: CodecConfig, device):
     quantizer and packer.
     """
     key = (config.dim, config.bits, config.seed, config.rotation, device)
-    with _encoders_lock:
-        kernel = _encoders.get(key)
-        if kernel is not None:
-            _encoders.move_to_end(key)
-            return kernel
+    kernel = _encoders.get(key)
+    if kernel is not None:
+        return kernel
     device_tables(config, device)  # concrete, cached before any trace reads them
 
-    def encode_block(x):
+    def encode_one(x):
         return encode_stream(x, config, device)
 
     if device is None:
-        kernel = jax.jit(encode_block)
+        kernel = jax.jit(encode_one)
     else:  # numpy blocks go straight to `device` (cheaper than a device_put per block)
         placed = jax.sharding.SingleDeviceSharding(device)
-        kernel = jax.jit(encode_block, in_shardings=placed, out_shardings=placed)
-    with _encoders_lock:
-        kernel = _encoders.setdefault(key, kernel)
-        _encoders.move_to_end(key)
-        while len(_encoders) > _MAX_ENCODE_KERNELS:
-            _encoders.popitem(last=False)
-    return kernel
+        kernel = jax.jit(encode_one, in_shardings=placed, out_shardings=placed)
+    return _encoders.put(key, kernel)
 
 
 def encode_block(x, config: CodecConfig, device=None):
