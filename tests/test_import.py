@@ -44,6 +44,9 @@ def test_ci_refuses_to_run_with_a_test_dependency_missing(tmp_path):
     )
     conftest = os.path.join(os.path.dirname(__file__), "conftest.py")
     (tmp_path / "conftest.py").write_text(open(conftest).read())
+    # conftest reads the extras from ROOT/pyproject.toml, ROOT being its folder's parent
+    pyproject = os.path.join(os.path.dirname(os.path.dirname(__file__)), "pyproject.toml")
+    (tmp_path.parent / "pyproject.toml").write_text(open(pyproject).read())
     ini = tmp_path / "pytest.ini"
     ini.write_text("[pytest]\n")
     env = dict(os.environ, CI="true")
