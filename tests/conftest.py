@@ -75,3 +75,27 @@ def _release_compiled_programs():
     jax = sys.modules.get("jax")
     if jax is not None:
         jax.clear_caches()
+
+
+class _Compiles:
+    """Counts XLA compilations through JAX's public monitoring events."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, name, duration, **kwargs):
+        if name == self.EVENT:
+            self.count += 1
+
+
+@pytest.fixture
+def compiles():
+    """A counter of XLA compilations made while the test runs (``compiles.count``)."""
+    import jax
+
+    counter = _Compiles()
+    jax.monitoring.register_event_duration_secs_listener(counter)
+    yield counter
+    jax.monitoring.unregister_event_duration_listener(counter)

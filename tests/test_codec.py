@@ -227,27 +227,6 @@ def test_packed_rows_concatenate_to_the_wire_stream():
     assert rows.tobytes() == tq_jax.parse(tq_jax.dumps(x, bits=6)).indices[0].tobytes()
 
 
-class _Compiles:
-    """Counts XLA compilations through JAX's public monitoring events."""
-
-    EVENT = "/jax/core/compile/backend_compile_duration"
-
-    def __init__(self):
-        self.count = 0
-
-    def __call__(self, name, duration, **kwargs):
-        if name == self.EVENT:
-            self.count += 1
-
-
-@pytest.fixture
-def compiles():
-    counter = _Compiles()
-    jax.monitoring.register_event_duration_secs_listener(counter)
-    yield counter
-    jax.monitoring.unregister_event_duration_listener(counter)
-
-
 def test_second_call_does_not_recompile(compiles):
     x = np.random.default_rng(6).standard_normal((3, 40, 64)).astype(np.float32)
     b = tq_jax.dumps(x, bits=4)

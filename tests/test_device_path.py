@@ -60,25 +60,6 @@ def no_host_copy(monkeypatch):
     monkeypatch.setattr(blob, "_encode_vectors", refuse)
 
 
-class _Compiles:
-    EVENT = "/jax/core/compile/backend_compile_duration"
-
-    def __init__(self):
-        self.count = 0
-
-    def __call__(self, name, duration, **kwargs):
-        if name == self.EVENT:
-            self.count += 1
-
-
-@pytest.fixture
-def compiles():
-    counter = _Compiles()
-    jax.monitoring.register_event_duration_secs_listener(counter)
-    yield counter
-    jax.monitoring.unregister_event_duration_listener(counter)
-
-
 @pytest.mark.parametrize("shape,dtype,kw,block", CASES)
 def test_jax_array_gives_the_numpy_bytes(shape, dtype, kw, block, monkeypatch):
     x = _input(shape, dtype)
