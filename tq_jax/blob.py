@@ -195,30 +195,41 @@ def _check_tensor(x: np.ndarray) -> str:
 
 
 def _encode_vectors(flat: np.ndarray, cfg: _codec.CodecConfig, block_vectors, devices):
-    """Run the codec over ``flat`` (n, d) block by block: ([stream chunks], norms f32 (n,))."""
-    n_vec, dim = flat.shape
-    bits = cfg.bits
-    block = _block_vectors(dim, block_vectors, devices)
+    """Run the codec over host vectors ``flat`` (n, d) block by block: ([stream chunks], norms f32 (n,))."""
+    block = _block_vectors(flat.shape[1], block_vectors, devices)
+    staging = _Staging(_IN_FLIGHT * len(devices) + 1)  # see _Staging: one more than in flight
+
+    def put(start, nb, rows, device):
+        return staging.put(flat[start : start + nb], rows, device)
+
+    return _encode_blocks(put, flat.shape[0], cfg, block, devices, np.asarray)
+
+
+def _encode_blocks(put, n_vec: int, cfg: _codec.CodecConfig, block: int, devices, fetch):
+    """Dispatch ``codec.encode_block`` over the blocks ``put(start, nb, rows, device)``
+    returns (``rows`` = ``block``, or the last block's bucket), devices in turn, at most
+    ``_IN_FLIGHT`` per device ahead of the results, which ``fetch`` brings to the host:
+    ([stream chunks], norms f32 (n,))."""
+    dim, bits = cfg.dim, cfg.bits
     norms = np.empty(n_vec, np.float32)
     chunks = []
     pending = collections.deque()
-    staging = _Staging(_IN_FLIGHT * len(devices) + 1)  # see _Staging: one more than in flight
 
     def collect():
         start, nb, (stream, nrm) = pending.popleft()
         used = nb * dim * bits
-        chunk = np.asarray(stream).reshape(-1)[: _codec.stream_nbytes(cfg, nb)]  # a view
+        chunk = fetch(stream).reshape(-1)[: _codec.stream_nbytes(cfg, nb)]  # a view
         if used % 8:  # the last byte also holds padding rows' bits: TQ01 wants them zero
             chunk = chunk.copy()
             chunk[-1] &= (1 << (used % 8)) - 1
         chunks.append(chunk)
-        norms[start : start + nb] = np.asarray(nrm)[:nb]
+        norms[start : start + nb] = fetch(nrm)[:nb]
 
     for i, start in enumerate(range(0, n_vec, block)):
         nb = min(block, n_vec - start)
         rows = block if nb == block else bucket(nb)
-        xb = staging.put(flat[start : start + nb], rows, devices[i % len(devices)])
-        pending.append((start, nb, _codec.encode_block(xb, cfg, devices[i % len(devices)])))
+        device = devices[i % len(devices)]
+        pending.append((start, nb, _codec.encode_block(put(start, nb, rows, device), cfg, device)))
         if len(pending) > _IN_FLIGHT * len(devices):
             collect()
     while pending:
@@ -235,16 +246,17 @@ def _group_view(host: np.ndarray, header: _wire.Header, g, lo, hi) -> np.ndarray
 
 def _raw_bytes(host: np.ndarray, header: _wire.Header) -> list:
     return [
-        memoryview(np.ascontiguousarray(host[g, lo:hi]).reshape(-1).view(np.uint8)) for g, lo, hi in _raw_ranges(header)
+        memoryview(np.ascontiguousarray(host[g, lo:hi]).reshape(-1).view(np.uint8)) for g, lo, hi in header.raw_ranges()
     ]
 
 
 # --------------------------------------------------------------------------- device-resident path
 #
-# A jax.Array that lives on one device is encoded there by one jitted program: every
-# segment's full blocks run through ``lax.map`` and its last block, padded to its
-# bucket, runs once more, so each block has the shape the host path gives it and the
-# bytes are the same. The only device→host transfer is the packed result.
+# A jax.Array that lives on one device is encoded there: one program cuts its blocks
+# on the device (the last one padded to its bucket, so every block has the shape the
+# host path gives it and the bytes are the same), and they run through the host
+# path's block kernels. Only the packed results and the raw layers' bytes come to the
+# host. (One ``lax.map`` program over the blocks ran several times slower on CPU.)
 
 _RESIDENT_PROGRAMS = 32  # programs keyed by layout and shape (a decoder's come from headers): bounded
 
@@ -259,47 +271,43 @@ def _segment_vectors(x, g, lo, hi, dim):
     return x.reshape(-1, dim) if g is None else x[g, lo:hi].reshape(-1, dim)
 
 
-def _encode_segment(v, cfg: _codec.CodecConfig, block: int, device):
-    """Traced: ``(stream uint8 (stream_nbytes,), norms float32 (n,))`` of vectors ``v``."""
-    n = v.shape[0]
-    full, tail = divmod(n, block)
-    streams, norms = [], []
-    if full:
-        blocks = v[: full * block].reshape(full, block, cfg.dim)
-        s, nrm = jax.lax.map(lambda b: _codec.encode_stream(b, cfg, device), blocks)
-        streams.append(s.reshape(-1))
-        norms.append(nrm.reshape(-1))
-    if tail:
-        rows = bucket(tail)
-        s, nrm = _codec.encode_stream(jnp.pad(v[full * block :], ((0, rows - tail), (0, 0))), cfg, device)
-        s = s.reshape(-1)[: _codec.stream_nbytes(cfg, tail)]
-        used = tail * cfg.dim * cfg.bits
-        if used % 8:  # the last byte also holds padding rows' bits: TQ01 wants them zero
-            s = s.at[-1].set(s[-1] & jnp.uint8((1 << (used % 8)) - 1))
-        streams.append(s)
-        norms.append(nrm[:tail])
-    if not streams:
-        return jnp.zeros(0, jnp.uint8), jnp.zeros(0, jnp.float32)
-    return jnp.concatenate(streams), jnp.concatenate(norms)
-
-
 @functools.lru_cache(maxsize=_RESIDENT_PROGRAMS)
 def _resident_encoder(header: _wire.Header, cfgs: tuple, block: int, device):
-    for cfg in cfgs:  # concrete tables, cached before the trace reads them
-        _codec.device_tables(cfg, device)
-    segments = tuple(header.segments())
-    raw_ranges = tuple(_raw_ranges(header)) if header.version == _wire.VERSION_2 else ()
+    """The encoder of ``header``'s layout on ``device``: x (a jax.Array there) →
+    ([(stream chunks, norms)] per segment, [raw layer bytes]).
 
-    def program(x):
-        encoded = [
-            _encode_segment(_segment_vectors(x, g, lo, hi, header.dim), cfg, block, device)
-            for (g, _, lo, hi, _), cfg in zip(segments, cfgs)
-        ]
+    One jitted program cuts ``x`` into every segment's blocks (the last one padded to
+    its bucket) and the raw layers' bytes; the blocks then run through the block
+    kernels the host path uses, a few in flight, and only their packed results come back.
+    """
+    segments = header.segments()
+    raw_ranges = header.raw_ranges() if header.version == _wire.VERSION_2 else []
+
+    def cut(x):
+        blocks = []
+        for g, _, lo, hi, n_vec in segments:
+            v = _segment_vectors(x, g, lo, hi, header.dim)
+            seg = []
+            for start in range(0, n_vec, block):
+                nb = min(block, n_vec - start)
+                b = v[start : start + nb]
+                seg.append(b if nb == block else jnp.pad(b, ((0, bucket(nb) - nb), (0, 0))))
+            blocks.append(seg)
         raw = [jax.lax.bitcast_convert_type(x[g, lo:hi], jnp.uint8).reshape(-1) for g, lo, hi in raw_ranges]
-        return encoded, raw
+        return blocks, raw
 
     placed = jax.sharding.SingleDeviceSharding(device)
-    return jax.jit(program, in_shardings=placed, out_shardings=placed)
+    cut = jax.jit(cut, in_shardings=placed, out_shardings=placed)
+
+    def encode(x):
+        blocks, raw = cut(x)
+        encoded = []
+        for seg, cfg, (_, _, _, _, n_vec) in zip(blocks, cfgs, segments):
+            put = functools.partial(lambda seg, start, nb, rows, _: seg[start // block], seg)
+            encoded.append(_encode_blocks(put, n_vec, cfg, block, [device], jax.device_get))
+        return encoded, jax.device_get(raw)
+
+    return encode
 
 
 def _encode_resident(x, header: _wire.Header, options: _options.Options, block_vectors, device):
@@ -308,9 +316,8 @@ def _encode_resident(x, header: _wire.Header, options: _options.Options, block_v
         x = jax.device_put(x, device)  # device to device
     cfgs = _segment_configs(header, options.seed, options.rotation)
     block = _block_vectors(header.dim, block_vectors, [device])
-    program = _resident_encoder(header._replace(norm_dtype="float16"), cfgs, block, device)
-    encoded, raw = jax.device_get(program(x))
-    return [([s], n) for s, n in encoded], [memoryview(r) for r in raw]
+    encoded, raw = _resident_encoder(header, cfgs, block, device)(x)
+    return encoded, [memoryview(r) for r in raw]
 
 
 def _norm_overflow(norms: list) -> tuple[int, int, float]:
@@ -322,16 +329,6 @@ def _norm_overflow(norms: list) -> tuple[int, int, float]:
         if big.any():
             largest = max(largest, float(n[big].max()))
     return count, total, largest
-
-
-def _raw_ranges(header: _wire.Header):
-    """``(group, lo, hi)`` of every raw (unquantized) layer range, in wire order."""
-    if header.kv_layout:
-        layers = header.shape[1]
-        for g in range(header.shape[0]):
-            for lo, hi in ((0, header.skip_first), (layers - header.skip_last, layers)):
-                if hi > lo:
-                    yield g, lo, hi
 
 
 def _resident_device(x, device):
@@ -556,17 +553,13 @@ def _decode_parsed(p: _wire.Parsed, out: np.ndarray, block_vectors, device) -> N
             norms = _codec.decode_log_norms(norms.ranges, norms.codes, norms.bits, norms.count)
         cfg = _codec.CodecConfig(h.dim, bits, h.seed, h.rotation, h.norm_correction)
         _decode_vectors(stream, norms, _group_view(out, h, g, lo, hi), cfg, block_vectors, devices, qjl)
-    if h.kv_layout and (h.skip_first or h.skip_last):
-        src_dt = _np_dtype(jnp.dtype(h.dtype))
-        layers = h.shape[1]
-        off = 0
-        for g in range(h.shape[0]):
-            for lo, hi in ((0, h.skip_first), (layers - h.skip_last, layers)):
-                if hi > lo:
-                    part = out[g, lo:hi]
-                    n = part.size * src_dt.itemsize
-                    part[...] = p.raw[off : off + n].view(src_dt).reshape(part.shape)
-                    off += n
+    src_dt = _np_dtype(jnp.dtype(h.dtype))
+    off = 0
+    for g, lo, hi in h.raw_ranges():
+        part = out[g, lo:hi]
+        n = part.size * src_dt.itemsize
+        part[...] = p.raw[off : off + n].view(src_dt).reshape(part.shape)
+        off += n
 
 
 def _decode_segment(stream, norms, cfg: _codec.CodecConfig, n: int, block: int, dtype, device):
@@ -595,7 +588,7 @@ def _resident_decoder(header: _wire.Header, dtype, block: int, device):
     for cfg in cfgs:
         _codec.device_tables(cfg, device)
     segments = tuple(header.segments())
-    raw_ranges = tuple(_raw_ranges(header))
+    raw_ranges = tuple(header.raw_ranges())
     src = jnp.dtype(header.dtype)
 
     def program(streams, norms, raw):

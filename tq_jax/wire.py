@@ -232,6 +232,18 @@ class Header(NamedTuple):
         vb = self.bits if self.value_bits is None else self.value_bits
         return [(g, self.bits if g == 0 else vb, lo, hi, (hi - lo) * per_layer) for g in range(groups)]
 
+    def raw_ranges(self) -> list:
+        """The raw (unquantized) edge layers, in wire order: ``(group, layer_lo, layer_hi)``.
+
+        Per group, the leading ``skip_first`` layers and then the trailing ``skip_last``;
+        empty without ``kv_layout``.
+        """
+        if not self.kv_layout:
+            return []
+        layers = self.shape[1]
+        ranges = ((0, self.skip_first), (layers - self.skip_last, layers))
+        return [(g, lo, hi) for g in range(self.shape[0]) for lo, hi in ranges if hi > lo]
+
     def norm_groups(self, n_vec: int) -> int:
         """Log-coded norm groups of a segment of ``n_vec`` vectors: for ``ndim >= 3``, one per
         index of the first two axes (in a ``[2, L, T, H, D]`` KV tensor: per K/V and layer),
