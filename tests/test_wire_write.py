@@ -182,10 +182,9 @@ def test_write_into_fills_a_preallocated_buffer():
         wire.write_into(ps, bytes(len(want)))
 
 
-def test_seed32_and_dtype_name_are_public_and_aliased():
+def test_seed32_and_dtype_name():
     assert wire.seed32(-5) == -5 and wire.seed32(2**32 + 42) == 42 and wire.seed32(2**31) == -(2**31)
     assert wire.dtype_name(np.float16) == "float16" and wire.dtype_name("torch.bfloat16") == "bfloat16"
-    assert wire._seed32 is wire.seed32 and wire._dtype_name is wire.dtype_name
     with pytest.raises(ValueError, match="dtype must be one of"):
         wire.dtype_name("int8")
 

@@ -288,6 +288,7 @@ def _run(args, plan_fn, verb: str) -> int:
             plans, _ = _dist.run_distributed(
                 cluster, open_plans, devices, parts,
                 lambda total: _batch.Progress(total, tag, args.quiet),
+                plain_errors=(CliError,),
             )
         dt = time.perf_counter() - t0
     finally:
@@ -325,12 +326,6 @@ def option_flags(options_cls=None) -> tuple[str, ...]:
     import dataclasses
 
     return tuple(f.name for f in dataclasses.fields(_options_cls(options_cls)))
-
-
-def __getattr__(name: str):
-    if name == "_OPTION_FLAGS":  # the former constant, generated now (loads tq_jax.options)
-        return option_flags()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def options_from_args(args, options_cls=None):

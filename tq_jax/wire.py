@@ -306,9 +306,6 @@ def seed32(seed: int) -> int:
     return s - (1 << 32) if s >= (1 << 31) else s
 
 
-_seed32 = seed32  # the private name other modules used before seed32 was public
-
-
 def dense_dim(dim: int, rotation: str = "haar") -> int:
     """Side of the dense matrix a rotation of ``dim`` builds: ``dim`` for Haar, the odd
     part of ``dim`` for the structured Hadamard rotation (checked against MAX_DENSE_DIM)."""
@@ -374,9 +371,6 @@ def dtype_name(dtype) -> str:
             f"original float dtype so decode can restore it."
         )
     return name
-
-
-_dtype_name = dtype_name  # the private name other modules used before dtype_name was public
 
 
 def header_bytes(header: Header) -> bytes:

@@ -22,7 +22,7 @@ options and budget, never on the devices or processes.
 
 from __future__ import annotations
 
-from tq_jax.batch.errors import BatchError, CliError
+from tq_jax.batch.errors import BatchError
 from tq_jax.batch.metadata import (
     FORMAT,
     FORMAT_VERSION,
@@ -54,7 +54,6 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "EVERY_LAYER_RAW",
     "BatchError",
-    "CliError",
     "CompressOptions",
     "Unit",
     "Entry",

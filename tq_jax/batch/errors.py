@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["BatchError", "CliError"]
+__all__ = ["BatchError"]
 
 
 class BatchError(Exception):
@@ -12,7 +12,3 @@ class BatchError(Exception):
     one line: ``tq-jax`` prints it as is and exits with status 1.
     """
 
-
-# The name the command line caught before batch had its own error type; kept while
-# tq_jax.cli and its tests still use it.
-CliError = BatchError
