@@ -1,7 +1,9 @@
 """The device-resident path: a jax.Array is encoded where it lives, loads(device=) decodes there.
 
 The independent expectation for every blob is the numpy (host) path's bytes, which
-tests/test_interop.py pins against the reference plugin.
+tests/test_interop.py pins against the reference plugin. CPU devices take the host
+pipeline in normal use (their memory is host memory); the ``resident`` fixture runs
+the accelerator path on them.
 """
 
 import os
@@ -23,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CASES = sweep(
     [
-        # (shape, dtype, options kwargs, block_vectors): small blocks exercise lax.map + tail
+        # (shape, dtype, options kwargs, block_vectors): small blocks give many blocks + a padded tail
         ((2, 4, 37, 3, 64), "bfloat16", dict(bits=4), 64),  # v1, Haar, planar rows
         ((2, 4, 37, 3, 64), "bfloat16", dict(preset="turbo-3.5"), 64),  # v2: groups, nc, norm codes, CRC
         ((2, 6, 30, 2, 96), "float16", dict(key_bits=4, value_bits=3, skip_first_layers=1, skip_last_layers=1,
@@ -50,7 +52,13 @@ def _input(shape, dtype, seed=0):
 
 
 @pytest.fixture
-def no_host_copy(monkeypatch):
+def resident(monkeypatch):
+    """Run the accelerator (device-resident) path on CPU devices."""
+    monkeypatch.setattr(blob, "_RESIDENT_ON_CPU", True)
+
+
+@pytest.fixture
+def no_host_copy(resident, monkeypatch):
     """Fail if the encode takes the host path or copies the input to host."""
 
     def refuse(*args, **kwargs):
@@ -61,7 +69,7 @@ def no_host_copy(monkeypatch):
 
 
 @pytest.mark.parametrize("shape,dtype,kw,block", CASES)
-def test_jax_array_gives_the_numpy_bytes(shape, dtype, kw, block, monkeypatch):
+def test_jax_array_gives_the_numpy_bytes(shape, dtype, kw, block, resident, monkeypatch):
     x = _input(shape, dtype)
     opts = _options(kw)
     want = tq_jax.dumps(x, options=opts, block_vectors=block)
@@ -83,15 +91,50 @@ def test_jax_array_gives_the_numpy_bytes(shape, dtype, kw, block, monkeypatch):
 
 
 @pytest.mark.parametrize("shape,dtype,kw,block", CASES)
-def test_loads_on_a_device_equals_loads(shape, dtype, kw, block):
+def test_loads_on_a_device_equals_loads(shape, dtype, kw, block, monkeypatch):
     b = tq_jax.dumps(_input(shape, dtype, 1), options=_options(kw))
+    _check_resident_loads(b, block, monkeypatch)
+
+
+def _check_resident_loads(b, block, monkeypatch):
     dev = jax.devices()[0]
     for out_dtype in (None, jnp.float32):
-        want = np.asarray(tq_jax.loads(b, dtype=out_dtype, block_vectors=block))
-        got = tq_jax.loads(b, dtype=out_dtype, block_vectors=block, device=dev)
+        want = np.asarray(tq_jax.loads(b, dtype=out_dtype, block_vectors=block))  # the host pipeline
+        with monkeypatch.context() as m:
+            m.setattr(blob, "_RESIDENT_ON_CPU", True)
+            m.setattr(blob, "_decode_parsed", lambda *a: pytest.fail("host output buffer used"))
+            got = tq_jax.loads(b, dtype=out_dtype, block_vectors=block, device=dev)
         assert isinstance(got, jax.Array) and got.devices() == {dev}
         assert got.dtype == want.dtype and got.shape == want.shape
         np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_qjl_blob_decodes_on_a_device(monkeypatch):
+    """A reference-style v1 QJL blob (sections from wire's writer) decodes the same on the device."""
+    rng = np.random.default_rng(3)
+    h = tq_jax.wire.Header(bits=3, seed=5, shape=(2, 41, 64), dtype="bfloat16", use_qjl=True, qjl_sketch_size=32)
+    n = h.num_vectors
+    sections = tq_jax.wire.Sections(
+        [[np.packbits(rng.integers(0, 2, n * h.dim * h.bits, dtype=np.uint8), bitorder="little")]],
+        [rng.uniform(0.5, 2, n).astype(np.float16)],
+        sketch=rng.choice(np.array([-1, 1], np.int8), (n, h.qjl_sketch_size)),
+        residual_norms=rng.uniform(0, 0.2, n).astype(np.float16),
+    )
+    b = b"".join(bytes(piece) for piece in tq_jax.wire.pieces(h, sections))
+    assert tq_jax.parse(b).header.use_qjl
+    _check_resident_loads(b, 16, monkeypatch)
+
+
+def test_cpu_devices_keep_the_zero_copy_host_pipeline():
+    """On the CPU backend loads' result is the aligned host buffer it decoded into
+    (adopted by XLA without a copy), and a CPU jax.Array is read in place."""
+    x = _input((4, 40, 64), "float32")
+    b = tq_jax.dumps(x, bits=4)
+    out = tq_jax.loads(b, device=jax.devices()[0])
+    assert not blob._RESIDENT_ON_CPU
+    host = np.asarray(out)
+    assert host.ctypes.data % 64 == 0
+    assert tq_jax.dumps(jnp.asarray(x), bits=4) == b
 
 
 def test_device_path_keeps_the_host_path_errors(no_host_copy, monkeypatch):
@@ -146,6 +189,7 @@ def test_four_host_devices_encode_and_decode_where_asked():
     x = np.random.default_rng(0).standard_normal((2, 4, 300, 2, 64), np.float32).astype(jnp.bfloat16)
     opts = tq_jax.Options.make(**tq_jax.PRESETS["turbo-3.5"])
     want = tq_jax.dumps(x, options=opts)
+    blob._RESIDENT_ON_CPU = True  # the accelerator path, on CPU devices
     seen = []
     real = blob._resident_encoder
     blob._resident_encoder = lambda *a: seen.append(a[-1]) or real(*a)

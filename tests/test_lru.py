@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tq_jax import _lru, codebook, rotation, wire
+from tq_jax import _lru, blob, codebook, codec, rotation, wire
 
 
 def test_bound_by_entry_count_evicts_least_recently_used():
@@ -51,6 +51,27 @@ def test_put_keeps_the_first_value_and_get_or_create_builds_once():
     calls = []
     v = c.get_or_create("n", lambda: calls.append(1) or np.arange(3))
     assert c.get_or_create("n", lambda: calls.append(1) or np.arange(3)) is v and calls == [1]
+
+
+def test_memoize_keys_by_function_and_arguments():
+    c = _lru.LRU("t", max_entries=2)
+    calls = []
+
+    @c.memoize
+    def square(n):
+        calls.append(n)
+        return [n * n]
+
+    @c.memoize
+    def cube(n):
+        return [n**3]
+
+    assert square.__name__ == "square"
+    a = square(3)
+    assert square(3) is a and calls == [3]
+    assert cube(3) == [27] and c.keys() == [("square", 3), ("cube", 3)]  # one cache, two functions
+    square(4)  # evicts the least recently used, ("square", 3)
+    assert square(3) == [9] and calls == [3, 4, 3]
 
 
 def test_constructor_checks_its_bounds():
@@ -106,7 +127,7 @@ def test_threads_share_one_object_and_respect_the_bounds():
 
 
 def test_module_caches_are_bounded_lrus_keyed_by_header_fields():
-    for caches in (rotation.CACHES, codebook.CACHES):
+    for caches in (rotation.CACHES, codebook.CACHES, codec.CACHES, blob.CACHES):
         for cache in caches.values():
             assert isinstance(cache, _lru.LRU) and cache.max_entries <= 1024
     rotation.clear_caches()

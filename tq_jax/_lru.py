@@ -24,6 +24,8 @@ Use::
 
     _TABLES = LRU("rotation tables", max_entries=64, max_bytes=64 << 20)
     value = _TABLES.get_or_create((dim, seed), lambda: build(dim, seed))
+    @_TABLES.memoize  # or: results of a function, keyed by its arguments
+    def build(dim, seed): ...
     _TABLES.stats()   # Stats(entries, nbytes, max_entries, max_bytes, hits, misses, evictions)
     _TABLES.clear()
 
@@ -36,6 +38,7 @@ recognises tracers only when jax is already imported (no tracer can exist otherw
 from __future__ import annotations
 
 import collections
+import functools
 import sys
 import threading
 from typing import Callable, Hashable, NamedTuple
@@ -164,6 +167,16 @@ class LRU:
         if hit is not _MISSING:
             return hit
         return self.put(key, factory())
+
+    def memoize(self, fn: Callable) -> Callable:
+        """``fn`` with its results kept here, keyed by its name and positional
+        arguments (which must be hashable): one cache can serve several functions."""
+
+        @functools.wraps(fn)
+        def cached(*args):
+            return self.get_or_create((fn.__name__, *args), lambda: fn(*args))
+
+        return cached
 
     def clear(self) -> None:
         """Drop every entry (counters of hits/misses/evictions are kept)."""

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tq_jax import _lru
 from tq_jax import codec as _codec
 from tq_jax import options as _options
 from tq_jax import rotation as _rotation
@@ -41,9 +42,8 @@ __all__ = [
 ]
 
 DEFAULT_BLOCK_COORDS = 1 << 20  # coordinates per block: 4 MiB of float32 intermediates
-# On the CPU backend half that: each 2 MiB intermediate stays in cache between the
-# kernel's passes (measured, W1 4-bit: hadamard encode 0.85-0.9x the time at head_dim
-# 64/96/128/256; Haar and every decode unchanged within noise).
+# On the CPU backend half that, so each 2 MiB float32 intermediate stays in the CPU's
+# cache between the kernel's passes (benchmarks/results/design_notes.md).
 CPU_BLOCK_COORDS = 1 << 19
 _MIN_BUCKET = 8  # a multiple of 8 vectors keeps every block's bit stream byte-aligned
 _F16_MAX = float(np.finfo(np.float16).max)
@@ -132,19 +132,27 @@ def _pad_rows(a: np.ndarray, rows: int) -> np.ndarray:
     return out
 
 
+def _default_device() -> jax.Device:
+    """JAX's default device (``jax.default_device`` contexts included)."""
+    d = jax.config.jax_default_device
+    if isinstance(d, str):  # a platform name
+        return jax.devices(d)[0]
+    return d if d is not None else jax.devices()[0]
+
+
 def _is_cpu(device) -> bool:
-    return (device or jax.devices()[0]).platform == "cpu"
+    return (device or _default_device()).platform == "cpu"
 
 
 class _Staging:
     """Aligned host buffers, reused in turn, through which blocks reach the kernels.
 
     Blocks are handed to the jitted kernels as numpy arrays: JAX's C++ dispatch
-    transfers them (measured: ~16 µs per call, against ~170 µs for ``jax.device_put``).
+    transfers them with the call, far cheaper than a separate ``jax.device_put``.
     XLA's CPU backend shares a host buffer without copying only when it is 64-byte
     aligned; numpy's large arrays are usually 16-byte aligned, so such blocks (and
-    padded tails) are copied here — numpy's copy is over twice as fast as XLA's — into
-    one of ``slots`` buffers. A slot is rewritten only ``slots`` puts later, when the
+    padded tails) are copied here, by numpy, which copies faster than XLA does, into
+    one of ``slots`` buffers (benchmarks/results/design_notes.md has the timings). A slot is rewritten only ``slots`` puts later, when the
     block driver has collected (hence finished) the kernel that read it.
     """
 
@@ -252,13 +260,43 @@ def _raw_bytes(host: np.ndarray, header: _wire.Header) -> list:
 
 # --------------------------------------------------------------------------- device-resident path
 #
-# A jax.Array that lives on one device is encoded there: one program cuts its blocks
-# on the device (the last one padded to its bucket, so every block has the shape the
-# host path gives it and the bytes are the same), and they run through the host
-# path's block kernels. Only the packed results and the raw layers' bytes come to the
-# host. (One ``lax.map`` program over the blocks ran several times slower on CPU.)
+# Data on an accelerator stays there. A jax.Array on one device is encoded there: one
+# program cuts its blocks on the device (the last one padded to its bucket, so every
+# block has the shape the host path gives it and the bytes are the same), they run
+# through the host path's block kernels, and only the packed results and the raw
+# layers' bytes come to the host. ``loads(device=d)`` sends the blob's sections to d,
+# decodes every block there and assembles the tensor there.
+#
+# On the CPU backend a device's memory is host memory: the host pipeline reads a CPU
+# jax.Array in place (``np.asarray`` is a view) and its 64-byte-aligned output becomes
+# the result without a copy, so it already keeps the data where it lives, and it
+# pipelines blocks with bounded memory. CPU devices therefore take it; tests set
+# ``_RESIDENT_ON_CPU`` to run the accelerator path on CPU devices.
+# (benchmarks/results/device_path_cpu.md has the measurements behind this choice.)
 
-_RESIDENT_PROGRAMS = 32  # programs keyed by layout and shape (a decoder's come from headers): bounded
+_RESIDENT_ON_CPU = False
+
+
+def _resident(device) -> bool:
+    """Whether data for ``device`` (None: JAX's default) takes the device-resident path."""
+    return _RESIDENT_ON_CPU or not _is_cpu(device)
+
+
+# Compiled programs keyed by a blob's layout and shape (a decoder's come from untrusted
+# headers): bounded, least recently used first.
+_RESIDENT_PROGRAMS = _lru.LRU("device-resident programs", max_entries=32)
+CACHES = {"device-resident programs": _RESIDENT_PROGRAMS}
+
+
+def cache_stats() -> dict:
+    """``{name: tq_jax._lru.Stats}`` of the blob layer's caches (see also codec's)."""
+    return {name: c.stats() for name, c in CACHES.items()}
+
+
+def clear_caches() -> None:
+    """Empty the blob layer's caches (programs are rebuilt, identically, on demand)."""
+    for c in CACHES.values():
+        c.clear()
 
 
 def _segment_configs(header: _wire.Header, seed: int, rotation: str, norm_correction: bool = False) -> tuple:
@@ -271,7 +309,7 @@ def _segment_vectors(x, g, lo, hi, dim):
     return x.reshape(-1, dim) if g is None else x[g, lo:hi].reshape(-1, dim)
 
 
-@functools.lru_cache(maxsize=_RESIDENT_PROGRAMS)
+@_RESIDENT_PROGRAMS.memoize
 def _resident_encoder(header: _wire.Header, cfgs: tuple, block: int, device):
     """The encoder of ``header``'s layout on ``device``: x (a jax.Array there) →
     ([(stream chunks, norms)] per segment, [raw layer bytes]).
@@ -331,9 +369,9 @@ def _norm_overflow(norms: list) -> tuple[int, int, float]:
     return count, total, largest
 
 
-def _resident_device(x, device):
-    """The one device a ``jax.Array`` input is encoded on without leaving it, or None
-    for the pipelined host path (numpy input, a sharded array, a device sequence)."""
+def _single_device(x, device):
+    """The one device a ``jax.Array`` input is encoded on (``device``, else the one it
+    lives on), or None: numpy input, a sharded array, a device sequence."""
     if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
         return None
     if device is not None and not isinstance(device, jax.Device):
@@ -349,8 +387,8 @@ def _resident_device(x, device):
 
 def _encode(x, options: _options.Options, block_vectors, device):
     """Encode ``x`` under ``options``: (header, ``wire.pieces`` of the blob)."""
-    dev = _resident_device(x, device)
-    if dev is not None:
+    dev = _single_device(x, device)
+    if dev is not None and _resident(dev):
         dtype = _check_tensor(x)
         shape = tuple(x.shape)
         header = options.header(shape, dtype)  # validates the shape for the options
@@ -361,7 +399,7 @@ def _encode(x, options: _options.Options, block_vectors, device):
         host = np.ascontiguousarray(host)
         shape = host.shape
         header = options.header(shape, dtype)  # validates the shape for the options
-        devices = _device_list(device)
+        devices = _device_list(device if dev is None else dev)
         encoded = []
         for g, bits, lo, hi, _ in header.segments():
             cfg = _codec.CodecConfig(header.dim, bits, options.seed, options.rotation)
@@ -438,9 +476,12 @@ def dumps(x, bits=None, *, options=None, block_vectors: int | None = None, devic
             is taken as ``options``).
         options: a :class:`~tq_jax.Options`; then pass neither ``bits`` nor fields.
         block_vectors: vectors per kernel call (default: ~2**19 coordinates on CPU, 2**20 elsewhere).
-        device: JAX device to compute on (default: JAX's default device), or a
-            sequence of devices that take blocks in turn; the bytes do not depend
-            on how many devices share the work.
+        device: JAX device to compute on (default: where a single-device
+            ``jax.Array`` lives, else JAX's default device), or a sequence of
+            devices that take blocks in turn; the bytes do not depend on where or
+            on how many devices the work runs. A ``jax.Array`` on an accelerator
+            is cut into blocks and encoded there; only the packed result comes to
+            the host.
         **kwargs: :class:`~tq_jax.Options` fields: ``seed`` (42), ``key_bits``,
             ``value_bits``, ``skip_first_layers``, ``skip_last_layers``, ``rotation``
             ("haar"), ``norm_dtype`` ("auto"), ``norm_correction``, ``checksum``, ``norm_bits`` (0).
@@ -498,21 +539,16 @@ def _np_dtype(dtype):
     return np.dtype(jnp.dtype(dtype))
 
 
-def _decode_vectors(stream, norms, out_flat, cfg, block_vectors, devices, qjl=None):
-    """Decode one segment's stream + norms into ``out_flat`` (n, d), block by block."""
-    n_vec, dim = out_flat.shape
-    if n_vec == 0:  # nothing to decode: build no rotation (a 50-byte blob may name a huge one)
-        return
-    bits = cfg.bits
-    dtype = jnp.dtype(out_flat.dtype)
-    block = _block_vectors(dim, block_vectors, devices)
-    pending = collections.deque()
-    staging = _Staging(_IN_FLIGHT * len(devices) + 1)
+def _decode_blocks(stream, norms, cfg, n_vec: int, block: int, dtype, devices, put, qjl=None):
+    """Dispatch ``codec.decode_block`` over one segment's blocks, devices in turn,
+    yielding ``(start, nb, result)`` as each is dispatched (results not waited for).
 
-    def collect():
-        start, nb, res = pending.popleft()
-        out_flat[start : start + nb] = np.asarray(res).reshape(-1, dim)[:nb]  # a view
-
+    ``put(piece, nbytes, device)`` hands a block's stream bytes to the kernel,
+    zero-padded to ``nbytes`` (the block's bucket); ``qjl`` is ``(sketch,
+    residual_norms, [matrix per device])`` for QJL blobs. A segment of no vectors
+    dispatches nothing, so builds no rotation (a 50-byte blob may name a huge one).
+    """
+    dim, bits = cfg.dim, cfg.bits
     for i, start in enumerate(range(0, n_vec, block)):
         dev = devices[i % len(devices)]
         nb = min(block, n_vec - start)
@@ -520,7 +556,7 @@ def _decode_vectors(stream, norms, out_flat, cfg, block_vectors, devices, qjl=No
         lo = start * dim * bits // 8  # exact: start is a multiple of 8
         hi = min(len(stream), lo + (nb * dim * bits + 7) // 8)
         # numpy arguments follow the tables, which are committed to `dev`
-        piece = staging.put(stream[lo:hi], rows * dim * bits // 8, dev)  # zero-padded to the bucket
+        piece = put(stream[lo:hi], rows * dim * bits // 8, dev)
         nrm = _pad_rows(norms[start : start + nb], rows)
         block_qjl = None
         if qjl is not None:
@@ -530,17 +566,33 @@ def _decode_vectors(stream, norms, out_flat, cfg, block_vectors, devices, qjl=No
                 _pad_rows(residual[start : start + nb], rows),
                 matrices[i % len(devices)],
             )
-        pending.append((start, nb, _codec.decode_block(piece, nrm, cfg, dtype, dev, block_qjl)))
+        yield start, nb, _codec.decode_block(piece, nrm, cfg, dtype, dev, block_qjl)
+
+
+def _decode_vectors(stream, norms, out_flat, cfg, block_vectors, devices, qjl=None):
+    """Decode one segment's stream + norms into the host array ``out_flat`` (n, d),
+    at most ``_IN_FLIGHT`` blocks per device ahead of the copies out."""
+    n_vec, dim = out_flat.shape
+    block = _block_vectors(dim, block_vectors, devices)
+    pending = collections.deque()
+    staging = _Staging(_IN_FLIGHT * len(devices) + 1)  # see _Staging: one more than in flight
+
+    def collect():
+        start, nb, res = pending.popleft()
+        out_flat[start : start + nb] = np.asarray(res).reshape(-1, dim)[:nb]  # a view
+
+    for item in _decode_blocks(stream, norms, cfg, n_vec, block, jnp.dtype(out_flat.dtype), devices, staging.put, qjl):
+        pending.append(item)
         if len(pending) > _IN_FLIGHT * len(devices):
             collect()
     while pending:
         collect()
 
 
-def _decode_parsed(p: _wire.Parsed, out: np.ndarray, block_vectors, device) -> None:
+def _segment_inputs(p: _wire.Parsed, devices):
+    """Per segment ``(config, stream, float32 norms)`` of a parsed blob, and the QJL
+    inputs (``None`` unless the blob has them) with its matrix on each device."""
     h = p.header
-    devices = _device_list(device)
-    out = out.reshape(h.shape)
     qjl = None
     if h.use_qjl and h.num_vectors:
         try:
@@ -548,10 +600,20 @@ def _decode_parsed(p: _wire.Parsed, out: np.ndarray, block_vectors, device) -> N
         except ValueError as e:
             raise _wire.BadFieldError(f"TQ01 QJL blob cannot be decoded: {e}") from None
         qjl = (p.sketch, p.residual_norms, [jax.device_put(m, d) for d in devices])
-    for (g, bits, lo, hi, _), stream, norms in zip(h.segments(), p.indices, p.norms):
+    segments = []
+    for (_, bits, _, _, _), stream, norms in zip(h.segments(), p.indices, p.norms):
         if isinstance(norms, _wire.NormCodes):
             norms = _codec.decode_log_norms(norms.ranges, norms.codes, norms.bits, norms.count)
-        cfg = _codec.CodecConfig(h.dim, bits, h.seed, h.rotation, h.norm_correction)
+        segments.append((_codec.CodecConfig(h.dim, bits, h.seed, h.rotation, h.norm_correction), stream, norms))
+    return segments, qjl
+
+
+def _decode_parsed(p: _wire.Parsed, out: np.ndarray, block_vectors, device) -> None:
+    h = p.header
+    devices = _device_list(device)
+    out = out.reshape(h.shape)
+    segments, qjl = _segment_inputs(p, devices)
+    for (g, _, lo, hi, _), (cfg, stream, norms) in zip(h.segments(), segments):
         _decode_vectors(stream, norms, _group_view(out, h, g, lo, hi), cfg, block_vectors, devices, qjl)
     src_dt = _np_dtype(jnp.dtype(h.dtype))
     off = 0
@@ -562,41 +624,26 @@ def _decode_parsed(p: _wire.Parsed, out: np.ndarray, block_vectors, device) -> N
         off += n
 
 
-def _decode_segment(stream, norms, cfg: _codec.CodecConfig, n: int, block: int, dtype, device):
-    """Traced: the ``(n, dim)`` vectors of one segment's stream and norms."""
-    dim, row_bits = cfg.dim, cfg.dim * cfg.bits
-    full, tail = divmod(n, block)
-    parts = []
-    if full:
-        nbytes = full * block * row_bits // 8
-        blocks = stream[:nbytes].reshape(full, block * row_bits // 8)
-        nb = norms[: full * block].reshape(full, block)
-        out = jax.lax.map(lambda a: _codec.decode_stream(a[0], a[1], cfg, dtype, device), (blocks, nb))
-        parts.append(out.reshape(full * block, dim))
-    if tail:
-        rows = bucket(tail)
-        piece = stream[full * block * row_bits // 8 :]
-        piece = jnp.pad(piece, (0, rows * row_bits // 8 - piece.shape[0]))
-        nb = jnp.pad(norms[full * block :], (0, rows - tail))
-        parts.append(_codec.decode_stream(piece, nb, cfg, dtype, device).reshape(rows, dim)[:tail])
-    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+# A blob decoded onto one device: its blocks run through the same block kernels as
+# the host path, every one dispatched at once (their results are the output, so
+# nothing is gained by waiting), and one program per layout assembles them with the
+# raw layers into the tensor, on the device. No host output buffer is filled.
 
 
-@functools.lru_cache(maxsize=_RESIDENT_PROGRAMS)
-def _resident_decoder(header: _wire.Header, dtype, block: int, device):
-    cfgs = _segment_configs(header, header.seed, header.rotation, header.norm_correction)
-    for cfg in cfgs:
-        _codec.device_tables(cfg, device)
+@_RESIDENT_PROGRAMS.memoize
+def _resident_assembler(header: _wire.Header, dtype, block: int, device):
+    """The jitted program (block results per segment, raw bytes) → the blob's tensor on ``device``."""
     segments = tuple(header.segments())
     raw_ranges = tuple(header.raw_ranges())
     src = jnp.dtype(header.dtype)
+    dim = header.dim
 
-    def program(streams, norms, raw):
+    def assemble(blocks, raw):
         out = jnp.zeros(header.shape, dtype)
-        for (g, _, lo, hi, n), cfg, stream, nrm in zip(segments, cfgs, streams, norms):
+        for (g, _, lo, hi, n), seg in zip(segments, blocks):
             if n == 0:
                 continue
-            v = _decode_segment(stream, nrm, cfg, n, block, dtype, device)
+            v = jnp.concatenate([b.reshape(-1, dim) for b in seg])[:n] if len(seg) > 1 else seg[0].reshape(-1, dim)[:n]
             if g is None:
                 out = v.reshape(header.shape)
             else:
@@ -611,21 +658,20 @@ def _resident_decoder(header: _wire.Header, dtype, block: int, device):
         return out
 
     placed = jax.sharding.SingleDeviceSharding(device)
-    return jax.jit(program, in_shardings=placed, out_shardings=placed)
+    return jax.jit(assemble, in_shardings=placed, out_shardings=placed)
 
 
 def _decode_resident(p: _wire.Parsed, dtype, block_vectors, device) -> jax.Array:
-    """The blob's tensor decoded on ``device``: sections go there as they are, the
-    result is born there (no host output buffer)."""
+    """The blob's tensor decoded on ``device`` and born there."""
     h = p.header
-    norms = [
-        _codec.decode_log_norms(n.ranges, n.codes, n.bits, n.count) if isinstance(n, _wire.NormCodes) else n
-        for n in p.norms
-    ]
-    raw = p.raw if len(p.raw) else np.zeros(0, np.uint8)
-    args = jax.device_put(([np.asarray(s) for s in p.indices], [np.asarray(n) for n in norms], np.asarray(raw)), device)
     block = _block_vectors(h.dim, block_vectors, [device])
-    return _resident_decoder(h, jnp.dtype(dtype), block, device)(*args)
+    segments, qjl = _segment_inputs(p, [device])
+    results = []
+    for (_, _, _, _, n), (cfg, stream, norms) in zip(h.segments(), segments):
+        blocks = _decode_blocks(stream, norms, cfg, n, block, dtype, [device], lambda a, nbytes, _: _pad_rows(a, nbytes), qjl)
+        results.append(tuple(res for _, _, res in blocks))
+    raw = jax.device_put(p.raw if len(p.raw) else np.zeros(0, np.uint8), device)
+    return _resident_assembler(h, dtype, block, device)(tuple(results), raw)
 
 
 def _check_out_dtype(dtype):
@@ -645,8 +691,12 @@ def loads(blob, *, dtype=None, block_vectors: int | None = None, device=None) ->
         blob: bytes-like object or 1-D uint8 numpy array.
         dtype: output dtype; default: the dtype recorded in the blob.
         block_vectors: vectors per kernel call (default: ~2**19 coordinates on CPU, 2**20 elsewhere).
-        device: JAX device for the computation and the result, or a sequence of
-            devices that take blocks in turn (the result lands on the first).
+        device: JAX device for the computation and the result (default: JAX's
+            default device), or a sequence of devices that take blocks in turn
+            (the result lands on the first). On an accelerator the blob's sections
+            go to the device and the tensor is decoded and assembled there, with
+            no host output buffer; on the CPU backend the result is the aligned
+            host buffer the blocks were decoded into, adopted without a copy.
 
     Returns:
         ``jax.Array`` of the blob's shape.
@@ -656,8 +706,9 @@ def loads(blob, *, dtype=None, block_vectors: int | None = None, device=None) ->
     """
     p = _wire.parse(blob)
     dt = _check_out_dtype(p.header.dtype if dtype is None else dtype)
-    if isinstance(device, jax.Device) and not p.header.use_qjl:  # decoded where it will live
-        return _decode_resident(p, dt, block_vectors, device)
+    target = _default_device() if device is None else device
+    if isinstance(target, jax.Device) and _resident(target):  # decoded where it will live
+        return _decode_resident(p, dt, block_vectors, target)
     out = _aligned_empty(p.header.shape, _np_dtype(dt))
     _decode_parsed(p, out, block_vectors, device)
     # Zero-copy on CPU: `out` is 64-byte aligned. With several devices the result

@@ -1,0 +1,123 @@
+"""Where the data lives: dumps of a jax.Array and loads(device=) on W1, by path.
+
+W1 = [2, 32, 256, 8, 128] bfloat16 Gaussian (33.5 MB), 4-bit v1 and turbo-3.5.
+Every case is timed in the same process, rounds interleaved, median of the rounds'
+best-of-3, next to two yardsticks: a memcpy of W1 on the host, and a host round trip
+of W1 (``device_get`` + ``device_put``: what an encode or decode that left the device
+would add).
+
+Paths:
+- host: the pipelined host path (numpy input; ``loads`` into an aligned host buffer).
+- resident: a jax.Array is cut into blocks on its device and only packed bytes come
+  back; ``loads(device=d)`` decodes and assembles on ``d``. This is what an
+  accelerator takes; on the CPU backend it is forced here (``blob._RESIDENT_ON_CPU``).
+- XLA concatenate: the resident decode's assembly step alone (its blocks' results
+  joined into the tensor by one jitted program).
+
+    python benchmarks/bench_device_path.py           # writes benchmarks/results/device_path_<platform>.md
+    python benchmarks/bench_device_path.py --quick   # fewer rounds, no file
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import tq_jax
+from tq_jax import blob
+
+W1 = (2, 32, 256, 8, 128)
+
+
+def best_of(fn, reps=3):
+    jax.block_until_ready(fn())
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        ts.append(time.perf_counter() - t0)
+    return min(ts) * 1e3
+
+
+def resident(flag):
+    """Call fn with blob._RESIDENT_ON_CPU set to flag (the accelerator path on CPU)."""
+
+    def wrap(fn):
+        def call():
+            old = blob._RESIDENT_ON_CPU
+            blob._RESIDENT_ON_CPU = flag
+            try:
+                return fn()
+            finally:
+                blob._RESIDENT_ON_CPU = old
+
+        return call
+
+    return wrap
+
+
+def cases(dev):
+    x = np.random.default_rng(0).standard_normal(W1, np.float32).astype(jnp.bfloat16)
+    xd = jax.device_put(x, dev)
+    buf = np.empty_like(x)
+    out = {
+        "memcpy of W1 (host)": lambda: np.copyto(buf, x),
+        "host round trip of W1 (device_get + device_put)": lambda: jax.device_put(jax.device_get(xd), dev),
+    }
+    for name, opts in (("v1 4-bit", tq_jax.Options.make(4)), ("turbo-3.5", tq_jax.Options.make(**tq_jax.PRESETS["turbo-3.5"]))):
+        b = tq_jax.dumps(x, options=opts)
+        assert resident(True)(lambda: tq_jax.dumps(xd, options=opts))() == b
+        out[f"{name} dumps(numpy)"] = lambda opts=opts: tq_jax.dumps(x, options=opts, device=dev)
+        out[f"{name} dumps(jax.Array), default path"] = lambda opts=opts: tq_jax.dumps(xd, options=opts)
+        out[f"{name} dumps(jax.Array), resident"] = resident(True)(lambda opts=opts: tq_jax.dumps(xd, options=opts))
+        out[f"{name} loads(device=d), default path"] = lambda b=b: tq_jax.loads(b, device=dev)
+        out[f"{name} loads(device=d), resident"] = resident(True)(lambda b=b: tq_jax.loads(b, device=dev))
+        out[f"{name} loads(device=d), host buffer"] = resident(False)(lambda b=b: tq_jax.loads(b, device=[dev]))
+    # the resident decode's assembly alone: 4096-vector bf16 blocks joined by XLA
+    block = blob._block_vectors(W1[-1], None, [dev])
+    parts = tuple(jax.device_put(np.zeros((block, W1[-1]), jnp.bfloat16), dev) for _ in range(x.size // W1[-1] // block))
+    cat = jax.jit(lambda ps: jnp.concatenate(ps))
+    out[f"XLA concatenate of {len(parts)} decoded blocks (W1)"] = lambda: cat(parts)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    dev = jax.devices()[0]
+    table = cases(dev)
+    rounds = 2 if args.quick else args.rounds
+    times = {k: [] for k in table}
+    for _ in range(rounds):
+        for k, fn in table.items():
+            times[k].append(best_of(fn))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    memcpy = med["memcpy of W1 (host)"]
+    lines = [
+        "# Device-resident path on W1",
+        "",
+        f"W1 = {list(W1)} bfloat16 Gaussian, 33.5 MB; jax {jax.__version__}, device {dev.device_kind} "
+        f"({dev.platform}); median over {rounds} interleaved rounds of the best of 3.",
+        "",
+        "| case | ms | / memcpy |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {k} | {v:.1f} | {v / memcpy:.1f}x |" for k, v in med.items()]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if not args.quick:
+        path = Path(__file__).parent / "results" / f"device_path_{dev.platform}.md"
+        path.write_text(text)
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
