@@ -143,3 +143,18 @@ def test_module_caches_are_bounded_lrus_keyed_by_header_fields():
     codebook.clear_caches()
     cb = codebook.lloyd_max(16, 2)
     assert codebook.lloyd_max(16, 2) is cb and codebook.cache_stats()["lloyd_max"].entries == 1
+
+
+def test_one_device_rotation_per_seed_dim_and_device():
+    """Every bit width's device tables share one device copy of their rotation; a new
+    seed is a new entry."""
+    codec.clear_caches()
+    k4, v3 = (codec.CodecConfig(64, b, seed=9) for b in (4, 3))
+    a, b = codec.device_tables(k4), codec.device_tables(v3)
+    assert a.rotation.dense is b.rotation.dense
+    h4, h3 = (codec.CodecConfig(64, b, seed=9, rotation="hadamard") for b in (4, 3))
+    assert codec.device_tables(h4).rotation.signs is codec.device_tables(h3).rotation.signs
+    assert codec.cache_stats()["device rotations"].entries == 2
+    assert codec.device_tables(codec.CodecConfig(64, 4, seed=10)).rotation.dense is not a.rotation.dense
+    assert codec.cache_stats()["device rotations"].entries == 3
+    np.testing.assert_array_equal(np.asarray(a.rotation.dense), rotation.haar_rotation(64, 9))

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tq_jax import _lru
 from tq_jax import codebook as _codebook
 from tq_jax import packing as _packing
 from tq_jax import rotation as _rotation
@@ -64,7 +65,11 @@ def _search_grid(boundaries: np.ndarray):
     )
 
 
-@functools.lru_cache(maxsize=64)
+# Keyed by a header's (dim, bits): bounded like every table cache (tq_jax._lru).
+QUANTIZERS = _lru.LRU("quantizer tables", max_entries=64, max_bytes=16 << 20)
+
+
+@QUANTIZERS.memoize
 def _quantizer(dim: int, bits: int):
     """``(codebook, grid)`` of ``(dim, bits)``: the quantizer's tables, independent of
     the seed (the group encoder embeds them as constants)."""
@@ -149,9 +154,9 @@ def _kron_apply(v, odd, transpose: bool):
     With ``p >= 16`` this is ``(odd ⊗ H_(p/16)) ⊗ H_16``: the ``H_16`` part is one GEMM
     over contiguous groups of 16, and an outer factor of order ``n = d/16 <= 8`` is
     applied as ``n`` sums of ``n`` scaled slices, which XLA fuses into whatever reads
-    the result — no transposes, no second small GEMM (measured at d = 128 against two
-    GEMMs: encode kernel 8 %, decode kernel 15 % faster). Otherwise the factors are
-    GEMMs along their axes.
+    the result — no transposes, no second small GEMM, which is why this form beats two
+    GEMMs (benchmarks/results/design_notes.md). Otherwise the factors are GEMMs along
+    their axes.
     """
     d, m = v.shape[-1], odd.shape[0]
     p = d // m
@@ -163,8 +168,8 @@ def _kron_apply(v, odd, transpose: bool):
         outer = _outer(odd, p)
         if transpose:
             outer = outer.T
-        # per-row sums stacked: unlike _outer_sums, this form stays fast when the
-        # result is reshaped to whole rows in the same fusion (measured 7.5 vs 34 ms)
+        # per-row sums stacked: unlike _outer_sums, this form keeps XLA's loop
+        # vectorized when the result is reshaped to whole rows in the same fusion
         rows = []
         for i in range(n):
             acc = outer[i, 0] * z[..., 0, :]
@@ -197,8 +202,8 @@ def _group_hadamard(bits: int) -> np.ndarray:
 def _outer_sums(z, outer):
     """``w[..., i, :] = sum_k outer[i, k] * z[..., k, :]`` over the group axis ``-2``.
 
-    Written as broadcasts of one group times one column of ``outer``: XLA emits one
-    vectorized loop over the output (measured 2x faster than stacking per-row sums).
+    Written as broadcasts of one group times one column of ``outer``, so XLA emits one
+    vectorized loop over the output instead of one per stacked row sum.
     """
     n = outer.shape[0]
     acc = outer[:, 0, None] * z[..., 0:1, :]
@@ -212,10 +217,9 @@ def _outer(odd, p: int):
 
     For a power-of-two ``d`` the odd part is ``[[1]]`` (``rotation.structured_rotation``)
     and the factor is ``H_(p/16)`` itself: a constant even in programs that take the
-    tables as arguments. Built from an ``odd`` argument, XLA recomputes the product
-    (and its transpose) for every element of the loop that applies it (measured: W1
-    decode through ``load_into`` 0.87x the time; ~2e-5 of its bfloat16 outputs move
-    by one ulp).
+    tables as arguments. Built from an ``odd`` argument, XLA would recompute the
+    product (and its transpose) for every element of the loop that applies it, and
+    the sums' rounding would depend on how the program receives its tables.
     """
     h = jnp.asarray(_rotation.hadamard(p // _HADAMARD_FACTOR), jnp.float32)
     return h if odd.shape == (1, 1) else jnp.kron(odd, h)
@@ -228,9 +232,9 @@ def encode_groups(x, tabs: _Tables, bits: int):
     The pipeline of :func:`encode_indices` + ``pack`` with one reordering: the rotation
     is linear, so ``1/(||x|| + eps)`` scales its output rather than its input (the
     same up to float32 rounding: ~2e-6 of the indices land on the other side of a
-    boundary). That saves a pass, and the shapes are the ones XLA's CPU backend
-    vectorizes (measured: loops ending in a reshape, or comparing inner axes of 8
-    against a runtime-valued table, ran 5-30x slower). W1 encode: ~0.75x the time.
+    boundary). That saves a pass over the block, and every loop has a shape XLA's CPU
+    backend vectorizes: none ends in a reshape, and the quantizer compares against
+    constant boundaries, not inner axes of 8 against a runtime-valued table.
 
     1. the norms from ``x``, as :func:`_normalize` takes them (bit for bit);
     2. the signs, exact in ``x``'s dtype, then one GEMM per 16-group with
@@ -280,15 +284,14 @@ def decode_groups(packed, norms, tabs: _Tables, bits: int, dtype, norm_correctio
     ``(..., n, 16)`` of ``dtype`` (row ``j`` is ``out[j].reshape(-1)``).
 
     The arithmetic of :func:`decode_rows`, but the indices come out of
-    :func:`packing.unpack_groups` already in natural order (no planes, no transpose:
-    W1 decode at 3 bits 0.65x the time), and the last loop writes 16-groups rather
-    than whole rows (a reshape at the end of a fusion runs ~4x slower on XLA's CPU
-    backend; the caller's reshape is free).
+    :func:`packing.unpack_groups` already in natural order (no planes, no transpose),
+    and the last loop writes 16-groups rather than whole rows (a reshape at the end of
+    a fusion is not vectorized by XLA's CPU backend; the caller's reshape is free).
 
     Norm correction scales a per-vector copy of the codebook, so the gather applies
-    it (W1 at 4 bits 0.8x the time of the planar path). Scaling the gathered
-    centroids, or the output, let XLA's CPU backend hand the reduction, the scaling
-    and the GEMM (or the outer sums) to one YNNPACK call that ran 1.5-2.5x slower.
+    it. Scaling the gathered centroids, or the output, instead lets XLA's CPU backend
+    hand the reduction, the scaling and the GEMM (or the outer sums) to one YNNPACK
+    call, which is slower than the fused loops.
     """
     d = _dim_of(tabs.rotation)
     n = d // _HADAMARD_FACTOR
@@ -312,8 +315,8 @@ def _sum_squares(v):
     """``sum(v * v, axis=-1)`` in one fixed order: zero-padded to a power of two, then
     halved (``s[:h] + s[h:]``) down to one. Element-wise ops only, so a vector gets
     the same bits in any batch shape and on any backend; XLA's CPU reduction (a
-    YNNPACK call) orders its sums by the batch size (measured: 8- and 16-vector
-    blocks differ from 4096-vector ones). As fast as that reduction at d = 128."""
+    YNNPACK call) orders its sums by the batch size, so 8- and 16-vector blocks
+    would differ in the last bit from 4096-vector ones."""
     s = v * v
     d = s.shape[-1]
     width = 1 << max(d - 1, 0).bit_length()
@@ -327,8 +330,8 @@ def _sum_squares(v):
 
 def _cast(v, dtype):
     """``v.astype(dtype)`` for float32 ``v``; to bfloat16 by integer round-to-nearest-even
-    on the bits, which XLA's CPU backend runs faster than its own conversion (measured:
-    W1 decode ~0.9x the time). Same bits for every float32 XLA's CPU arithmetic yields:
+    on the bits, which XLA's CPU backend runs faster than its own conversion
+    (benchmarks/results/design_notes.md). Same bits for every float32 XLA's CPU arithmetic yields:
     NaN becomes the quiet NaN of its sign, ±inf and overflow go to ±inf, as in ``astype``;
     a subnormal (XLA's CPU flushes them before they get here) rounds correctly too."""
     if jnp.dtype(dtype) != jnp.bfloat16:
@@ -379,9 +382,8 @@ def _scales_plain(xf, sq):
 
 def _squared_norms(xf, fixed_order: bool):
     """``sum(xf * xf, axis=-1)``: in :func:`_sum_squares`' fixed order for the Hadamard
-    rotation (the same bits in any block, and faster there), by XLA's reduction for
-    Haar, whose encode kernel ran 7-10 % slower with the fixed order (its GEMM operand
-    shares ``xf``). Haar's float32 norms can therefore differ in the last bit between
+    rotation (the same bits in any block), by XLA's reduction for Haar, whose encode
+    kernel is faster that way (its GEMM operand shares ``xf``; design_notes.md). Haar's float32 norms can therefore differ in the last bit between
     a block of 8 or 16 vectors and a full one; float16 norms hide that.
     """
     return _sum_squares(xf) if fixed_order else jnp.sum(xf * xf, axis=-1)
@@ -459,9 +461,8 @@ def decode_rows(packed, norms, tabs: _Tables, bits: int, dtype, norm_correction=
     """Inverse of :func:`encode_rows`: ``(..., d)`` vectors of ``dtype``.
 
     Byte-aligned rows unpack as words straight into natural order
-    (:func:`packing.unpack_groups`), so the rotation applies as is (measured against
-    planes and the row-permuted matrix, Haar W1 decode kernel: 0.85x the time at 4
-    bits, 0.92x at 2 and 3).
+    (:func:`packing.unpack_groups`), so the rotation applies as is: no planes to
+    interleave, no row-permuted copy of the matrix.
     """
     d = _dim_of(tabs.rotation)
     if not _planar(d, bits):

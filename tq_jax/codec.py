@@ -10,15 +10,19 @@ Encode, per vector ``x`` of length ``d`` (computed in float32, as the reference 
 4. indices are bit-packed per vector (:mod:`tq_jax.packing`). When rows are
    byte-aligned (``d * bits % 8 == 0``) the Haar rotation's rows are permuted once so
    that step 2 emits the indices as *planes* (``packing.plane_order``), which pack
-   and unpack without interleaving — same bytes, fewer passes. The Hadamard rotation
-   does the same per group of 16 coordinates (:func:`encode_groups`).
+   without interleaving — same bytes, fewer passes. The Hadamard rotation does the
+   same per group of 16 coordinates (:func:`encode_groups`).
 
-Decode: ``x̂ = (c[idx] @ Q) · n``, cast to the requested dtype.
+Decode: ``x̂ = (c[idx] @ Q) · n``, cast to the requested dtype. Byte-aligned rows
+unpack as words straight into natural order (:func:`packing.unpack_groups`), so the
+rotation applies as it is.
 
 Everything here is a pure function of arrays and a small frozen :class:`CodecConfig`,
 so :func:`encode` and :func:`decode` can be called inside a user's own ``jit``,
-``vmap`` or sharded computation. The wire format (:mod:`tq_jax.wire`) drives the same
-private kernels block by block.
+``vmap`` or sharded computation. The blob layer (:mod:`tq_jax.blob`) drives the same
+kernels block by block through the block API (:func:`layout`, :func:`stream_nbytes`,
+:func:`encode_block`, :func:`decode_block`); which kernel runs is decided here, and
+the kernels themselves live in the private module ``tq_jax._kernels``.
 
 References:
     Zandieh et al., "TurboQuant: Online Vector Quantization with Near-optimal
@@ -38,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tq_jax import _kernels, _lru
+from tq_jax import codebook as _codebook
 from tq_jax import packing as _packing
 from tq_jax import rotation as _rotation
 
@@ -115,10 +120,11 @@ class CodecConfig:
                 f"`dim` must be an int >= 2, got {self.dim!r}: it is the length of each "
                 f"vector (head_dim), the last axis of the input."
             )
-        if not isinstance(self.bits, (int, np.integer)) or isinstance(self.bits, bool) or not 1 <= self.bits <= 8:
+        bits_range = _codebook.BITS_RANGE
+        if not isinstance(self.bits, (int, np.integer)) or isinstance(self.bits, bool) or self.bits not in bits_range:
             raise ValueError(
-                f"`bits` must be an int in 1..8, got {self.bits!r}: bits sets the "
-                f"codebook size 2**bits."
+                f"`bits` must be an int in {bits_range.start}..{bits_range.stop - 1}, got {self.bits!r}: "
+                f"bits sets the codebook size 2**bits."
             )
         if not isinstance(self.seed, (int, np.integer)) or isinstance(self.seed, bool):
             raise ValueError(f"`seed` must be an int, got {self.seed!r}.")
@@ -210,9 +216,13 @@ _DEVICE_CACHE_SIZE = 64
 _device_cache = _lru.LRU("codec device tables", _DEVICE_CACHE_SIZE, _TABLE_CACHE_BYTES)
 
 
-def _to_arrays(t: _Tables, put) -> _Tables:
+# One device copy of a rotation per (dim, seed, rotation, device), shared by the device
+# tables of every bit width (a K4V3 blob's two widths use one rotation).
+_device_rotations = _lru.LRU("codec device rotations", _DEVICE_CACHE_SIZE, _TABLE_CACHE_BYTES)
+
+
+def _to_arrays(t: _Tables, put, rot: RotationOp) -> _Tables:
     grid = None if t.grid is None else tuple(put(np.asarray(a)) for a in t.grid)
-    rot = RotationOp(*(None if a is None else put(a) for a in t.rotation))
     planar = None if t.planar_dense is None else put(t.planar_dense)
     return _Tables(rot, put(t.centroids), put(t.boundaries), grid, planar)
 
@@ -232,13 +242,25 @@ def device_tables(config: CodecConfig, device=None) -> _Tables:
         return hit
 
     def build():
+        host = tables(config)
+        put = functools.partial(jax.device_put, device=device)
         with jax.ensure_compile_time_eval():
-            return _to_arrays(tables(config), functools.partial(jax.device_put, device=device))
+            rot = _device_rotations.get_or_create(
+                (config.dim, config.seed, config.rotation, device),
+                lambda: RotationOp(*(None if a is None else put(a) for a in host.rotation)),
+            )
+            return _to_arrays(host, put, rot)
 
     return _device_cache.put(key, build())  # refuses tracers (tq_jax._lru)
 
 
-CACHES = {"tables": _TABLES, "device tables": _device_cache}  # name -> tq_jax._lru.LRU (plus the encoders below)
+# name -> tq_jax._lru.LRU (plus the encoders below)
+CACHES = {
+    "quantizers": _kernels.QUANTIZERS,
+    "tables": _TABLES,
+    "device rotations": _device_rotations,
+    "device tables": _device_cache,
+}
 
 
 def cache_stats() -> dict:
