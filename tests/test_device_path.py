@@ -147,6 +147,17 @@ def test_cpu_devices_keep_the_zero_copy_host_pipeline(monkeypatch):
     assert seen and np.shares_memory(seen[0], np.asarray(xj))  # read in place
 
 
+def test_device_path_keeps_the_host_path_errors(no_host_copy, monkeypatch):
+    with pytest.raises(ValueError, match="bfloat16, float16 or float32"):
+        tq_jax.dumps(jnp.ones((4, 8), jnp.int32), bits=4)
+    with pytest.raises(blob.NormOverflowError):
+        tq_jax.dumps(jnp.full((8, 16), 3e4, jnp.float32), bits=4, norm_dtype="float16")
+    big = tq_jax.dumps(jnp.full((8, 16), 3e4, jnp.float32), bits=4)  # "auto": float32 norms
+    assert tq_jax.parse(big).header.norm_dtype == "float32"
+    monkeypatch.undo()  # the numpy path, for the expectation
+    assert big == tq_jax.dumps(np.full((8, 16), 3e4, np.float32), bits=4)
+
+
 def test_second_call_does_not_recompile(compiles, no_host_copy):
     x = jnp.asarray(_input((2, 2, 50, 2, 64), "bfloat16", 2))
     opts = _options(dict(preset="turbo-3.5"))
