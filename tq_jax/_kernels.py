@@ -4,8 +4,9 @@ the row / group / stream encoders and decoders, and their jitted entry points.
 Everything here is a pure function of arrays (and of static Python ints); the tables
 (:class:`tq_jax.codec.RotationOp`, centroids, boundaries, search grid) are built by
 :mod:`tq_jax.codec` and passed in or closed over. Nothing here caches device arrays.
-Which kernel a layout takes is decided in one place, :func:`layout`; callers outside
-this module go through :mod:`tq_jax.codec`'s public functions.
+The block entry points (:func:`encode_stream`, :func:`decode_stream`) pick their kernel
+family by two tests, :func:`_grouped` and :func:`_planar`, and :func:`layout` names the
+result; callers outside this module go through :mod:`tq_jax.codec`'s public functions.
 """
 
 from __future__ import annotations
@@ -154,9 +155,8 @@ def _kron_apply(v, odd, transpose: bool):
     With ``p >= 16`` this is ``(odd ⊗ H_(p/16)) ⊗ H_16``: the ``H_16`` part is one GEMM
     over contiguous groups of 16, and an outer factor of order ``n = d/16 <= 8`` is
     applied as ``n`` sums of ``n`` scaled slices, which XLA fuses into whatever reads
-    the result — no transposes, no second small GEMM, which is why this form beats two
-    GEMMs (benchmarks/results/design_notes.md). Otherwise the factors are GEMMs along
-    their axes.
+    the result — no transposes and no second small GEMM, so the outer factor costs no
+    pass of its own over the block. Otherwise the factors are GEMMs along their axes.
     """
     d, m = v.shape[-1], odd.shape[0]
     p = d // m
@@ -231,10 +231,12 @@ def encode_groups(x, tabs: _Tables, bits: int):
 
     The pipeline of :func:`encode_indices` + ``pack`` with one reordering: the rotation
     is linear, so ``1/(||x|| + eps)`` scales its output rather than its input (the
-    same up to float32 rounding: ~2e-6 of the indices land on the other side of a
-    boundary). That saves a pass over the block, and every loop has a shape XLA's CPU
-    backend vectorizes: none ends in a reshape, and the quantizer compares against
-    constant boundaries, not inner axes of 8 against a runtime-valued table.
+    same up to float32 rounding: the norms are bit for bit those of :func:`_normalize`,
+    and an index can differ by one level only where a rotated coordinate lies within
+    rounding of a boundary). That saves a pass over the block, and every loop has a
+    shape XLA's CPU backend vectorizes: none ends in a reshape, and the quantizer
+    compares against constant boundaries, not inner axes of 8 against a runtime-valued
+    table.
 
     1. the norms from ``x``, as :func:`_normalize` takes them (bit for bit);
     2. the signs, exact in ``x``'s dtype, then one GEMM per 16-group with
@@ -289,9 +291,10 @@ def decode_groups(packed, norms, tabs: _Tables, bits: int, dtype, norm_correctio
     a fusion is not vectorized by XLA's CPU backend; the caller's reshape is free).
 
     Norm correction scales a per-vector copy of the codebook, so the gather applies
-    it. Scaling the gathered centroids, or the output, instead lets XLA's CPU backend
-    hand the reduction, the scaling and the GEMM (or the outer sums) to one YNNPACK
-    call, which is slower than the fused loops.
+    it and the reduction, the GEMM and the outer sums stay in the fused loops.
+    Scaling the gathered centroids, or the output, instead would let XLA's CPU backend
+    take the reduction, the scaling and the GEMM (or the outer sums) out of those
+    loops into one YNNPACK call.
     """
     d = _dim_of(tabs.rotation)
     n = d // _HADAMARD_FACTOR
@@ -330,10 +333,11 @@ def _sum_squares(v):
 
 def _cast(v, dtype):
     """``v.astype(dtype)`` for float32 ``v``; to bfloat16 by integer round-to-nearest-even
-    on the bits, which XLA's CPU backend runs faster than its own conversion
-    (benchmarks/results/design_notes.md). Same bits for every float32 XLA's CPU arithmetic yields:
-    NaN becomes the quiet NaN of its sign, ±inf and overflow go to ±inf, as in ``astype``;
-    a subnormal (XLA's CPU flushes them before they get here) rounds correctly too."""
+    on the bits instead of XLA's own conversion (chosen by timing on XLA's CPU backend:
+    benchmarks/results/design_notes.md). It gives the same bits as ``astype`` for
+    every float32 XLA's CPU arithmetic yields: NaN becomes the quiet NaN of its sign,
+    ±inf and overflow go to ±inf; a subnormal (XLA's CPU flushes them before they get
+    here) rounds correctly too."""
     if jnp.dtype(dtype) != jnp.bfloat16:
         return v.astype(dtype)
     u = jax.lax.bitcast_convert_type(v, jnp.uint32)
@@ -383,8 +387,10 @@ def _scales_plain(xf, sq):
 def _squared_norms(xf, fixed_order: bool):
     """``sum(xf * xf, axis=-1)``: in :func:`_sum_squares`' fixed order for the Hadamard
     rotation (the same bits in any block), by XLA's reduction for Haar, whose encode
-    kernel is faster that way (its GEMM operand shares ``xf``; design_notes.md). Haar's float32 norms can therefore differ in the last bit between
-    a block of 8 or 16 vectors and a full one; float16 norms hide that.
+    kernel's GEMM operand shares ``xf`` with it (chosen by timing that kernel:
+    benchmarks/results/design_notes.md). Haar's float32 norms can therefore differ in
+    the last bit between a block of 8 or 16 vectors and a full one; float16 norms hide
+    that.
     """
     return _sum_squares(xf) if fixed_order else jnp.sum(xf * xf, axis=-1)
 
@@ -510,8 +516,9 @@ def encode_stream(x, tabs: _Tables, bits: int):
     bytes); ``norms`` float32 (B,).
 
     The group kernel's stream comes out as ``(B, d/16, 2*bits)``: callers flatten it
-    on the host for free, whereas a reshape inside the program would end XLA's last
-    loop in a bitcast, which it runs slower.
+    on the host for free, so XLA's last loop writes the packed groups as they are
+    instead of ending in a reshape (a bitcast), which XLA's CPU backend does not
+    vectorize (the rule :func:`decode_groups` follows too).
     """
     dim = x.shape[-1]
     if _grouped(dim, tabs.rotation):

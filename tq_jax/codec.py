@@ -3,7 +3,8 @@
 Encode, per vector ``x`` of length ``d`` (computed in float32, as the reference does):
 
 1. ``n = ||x||₂`` and ``u = x / (n + 1e-10)``;
-2. ``y = u @ Q.T`` with the seeded Haar rotation ``Q`` (:mod:`tq_jax.rotation`);
+2. ``y = u @ Q.T`` with the seeded rotation ``Q`` (:mod:`tq_jax.rotation`): the
+   reference's dense Haar rotation, or the structured randomized Hadamard one;
 3. ``idx_j`` = the number of Lloyd–Max decision boundaries strictly below ``y_j``
    (:mod:`tq_jax.codebook`) — the nearest centroid, found by comparing against the
    boundaries, never by building a ``(…, d, 2**bits)`` distance tensor;
@@ -11,7 +12,8 @@ Encode, per vector ``x`` of length ``d`` (computed in float32, as the reference 
    byte-aligned (``d * bits % 8 == 0``) the Haar rotation's rows are permuted once so
    that step 2 emits the indices as *planes* (``packing.plane_order``), which pack
    without interleaving — same bytes, fewer passes. The Hadamard rotation does the
-   same per group of 16 coordinates (:func:`encode_groups`).
+   same per group of 16 coordinates when ``d`` is 16, 32, …, 128
+   (:func:`encode_groups`).
 
 Decode: ``x̂ = (c[idx] @ Q) · n``, cast to the requested dtype. Byte-aligned rows
 unpack as words straight into natural order (:func:`packing.unpack_groups`), so the
@@ -20,9 +22,11 @@ rotation applies as it is.
 Everything here is a pure function of arrays and a small frozen :class:`CodecConfig`,
 so :func:`encode` and :func:`decode` can be called inside a user's own ``jit``,
 ``vmap`` or sharded computation. The blob layer (:mod:`tq_jax.blob`) drives the same
-kernels block by block through the block API (:func:`layout`, :func:`stream_nbytes`,
-:func:`encode_block`, :func:`decode_block`); which kernel runs is decided here, and
-the kernels themselves live in the private module ``tq_jax._kernels``.
+kernels block by block through this module's block API (:func:`encode_block`,
+:func:`decode_block`, and :func:`stream_nbytes` for each block's share of the index
+section); it never picks a kernel. Which kernel family a codec's blocks run is decided
+below the block API, and :func:`layout` names it; the kernels themselves live in the
+private module ``tq_jax._kernels``.
 
 References:
     Zandieh et al., "TurboQuant: Online Vector Quantization with Near-optimal
@@ -264,7 +268,8 @@ CACHES = {
 
 
 def cache_stats() -> dict:
-    """``{name: tq_jax._lru.Stats}`` of the codec's caches (tables, device tables, encoders)."""
+    """``{name: tq_jax._lru.Stats}`` of every cache in :data:`CACHES` (quantizer tables,
+    tables, device rotations, device tables, block encoders)."""
     return {name: c.stats() for name, c in CACHES.items()}
 
 
@@ -276,15 +281,16 @@ def clear_caches() -> None:
 
 # --------------------------------------------------------------------------- blocks
 #
-# The row-level API the wire driver (tq_jax.blob) uses: a *block* is B vectors (B a
+# The row-level API the block driver (tq_jax.blob) uses: a *block* is B vectors (B a
 # multiple of 8) whose indices form one LSB-first bit stream of B * dim * bits bits,
 # the layout of a TQ01 index section. Which kernel runs (Hadamard groups, planar rows,
 # natural-order indices) is decided here, never by the caller.
 
 
 def layout(config: CodecConfig) -> str:
-    """The kernel family ``config`` runs: ``"groups"`` (Hadamard rotation of up to 8
-    groups of 16), ``"planar"`` (byte-aligned rows) or ``"natural"`` (other rows)."""
+    """The kernel family ``config``'s blocks run (:func:`encode_block`,
+    :func:`decode_block`): ``"groups"`` (Hadamard rotation of up to 8 groups of 16),
+    ``"planar"`` (byte-aligned rows) or ``"natural"`` (other rows)."""
     return _kernels.layout(config.dim, config.bits, config.rotation)
 
 
@@ -347,10 +353,10 @@ def compiled_programs() -> int:
 def _block_encoder(config: CodecConfig, device):
     """The jitted block encoder of one codec on one device.
 
-    The tables are closed over rather than passed: XLA then sees them as constants
-    and fuses the structured rotation far better than with table arguments. Padding
-    rows are cut off by the caller: masking them here would defeat the fusion of
-    quantizer and packer.
+    The tables are closed over rather than passed, so XLA sees them as constants of
+    the program that it can fold into the fused rotation and quantizer loops, not as
+    run-time arguments. Padding rows are cut off by the caller: masking them here
+    would defeat the fusion of quantizer and packer.
     """
     key = (config.dim, config.bits, config.seed, config.rotation, device)
     kernel = _encoders.get(key)
@@ -363,7 +369,7 @@ def _block_encoder(config: CodecConfig, device):
 
     if device is None:
         kernel = jax.jit(encode_one)
-    else:  # numpy blocks go straight to `device` (cheaper than a device_put per block)
+    else:  # numpy blocks go straight to `device` as arguments: no device_put per block
         placed = jax.sharding.SingleDeviceSharding(device)
         kernel = jax.jit(encode_one, in_shardings=placed, out_shardings=placed)
     return _encoders.put(key, kernel)
@@ -478,9 +484,9 @@ def decode(encoded: Encoded, config: CodecConfig, dtype=jnp.float32) -> "Float[A
 #
 # TQ01 v2 ``norm_bits``: instead of one float per vector, a ``norm_bits``-bit code per
 # vector on a log-uniform grid spanning its group's range. At head_dim 64 a float16 norm
-# costs 0.25 bit per element; 6-bit codes cost 0.094 (measured on SmolLM2-135M in
-# benchmarks/results/quality_lm.md: no loss). Host-side numpy: there is one norm per
-# vector, so this is d times less work than the indices.
+# costs 16/64 = 0.25 bit per element, a 6-bit code 6/64 ≈ 0.094 (the effect on model
+# quality: benchmarks/results/quality_lm.md, presets turbo-3.5 and turbo-2.5). Host-side
+# numpy: there is one norm per vector, so this is d times less work than the indices.
 
 NORM_CODE_BITS = range(2, 9)  # codes 1..2**b - 1 span [lo, hi]; code 0 is an exact zero norm
 
