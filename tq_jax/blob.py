@@ -152,8 +152,9 @@ class _Staging:
     XLA's CPU backend shares a host buffer without copying only when it is 64-byte
     aligned; numpy's large arrays are usually 16-byte aligned, so such blocks (and
     padded tails) are copied here, by numpy, which copies faster than XLA does, into
-    one of ``slots`` buffers (benchmarks/results/design_notes.md has the timings). A slot is rewritten only ``slots`` puts later, when the
-    block driver has collected (hence finished) the kernel that read it.
+    one of ``slots`` buffers (benchmarks/results/design_notes.md has the timings). A
+    slot is rewritten only ``slots`` puts later, when the block driver has collected
+    (hence finished) the kernel that read it.
     """
 
     def __init__(self, slots: int):
@@ -668,7 +669,8 @@ def _decode_resident(p: _wire.Parsed, dtype, block_vectors, device) -> jax.Array
     segments, qjl = _segment_inputs(p, [device])
     results = []
     for (_, _, _, _, n), (cfg, stream, norms) in zip(h.segments(), segments):
-        blocks = _decode_blocks(stream, norms, cfg, n, block, dtype, [device], lambda a, nbytes, _: _pad_rows(a, nbytes), qjl)
+        put = lambda piece, nbytes, _: _pad_rows(piece, nbytes)  # noqa: E731 (no staging: nothing is reused)
+        blocks = _decode_blocks(stream, norms, cfg, n, block, dtype, [device], put, qjl)
         results.append(tuple(res for _, _, res in blocks))
     raw = jax.device_put(p.raw if len(p.raw) else np.zeros(0, np.uint8), device)
     return _resident_assembler(h, dtype, block, device)(tuple(results), raw)
