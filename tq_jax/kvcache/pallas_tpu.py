@@ -31,7 +31,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from tq_jax import codec as _codec
-from tq_jax import kvcache as _kv
+from tq_jax.kvcache import scoring as _scoring
+from tq_jax.kvcache.state import CacheConfig, KVCache
 
 _HI = lax.Precision.HIGHEST
 
@@ -47,7 +48,7 @@ def _select_lookup(idx, centroids: np.ndarray, bits: int):
 
 
 def _kernel(
-    lengths_ref, table_ref, *refs, cfg: _kv.CacheConfig, unit: int, q_len: int, nk: int, nv: int, kc, vc, dim: int
+    lengths_ref, table_ref, *refs, cfg: CacheConfig, unit: int, q_len: int, nk: int, nv: int, kc, vc, dim: int
 ):
     """One unit of one sequence. Refs (after the two scalar-prefetch ones): the ``nk``
     planar query slices ``[H, R, D/nk]``, codes ``[unit, H, rk]``, norms ``[unit, H]``
@@ -74,7 +75,7 @@ def _kernel(
         present = (t0 + lax.broadcasted_iota(jnp.int32, (unit, 1), 0)) < length  # [unit, 1]
         kn = jnp.where(present, kn_ref[...].astype(jnp.float32), 0.0).T  # [H, unit]
         vn = jnp.where(present, vn_ref[...].astype(jnp.float32), 0.0).T
-        kidx = _kv._planes(kc_ref[...], cfg.key_bits, dim, nk)  # [unit, H, D/nk] each
+        kidx = _scoring.planes(kc_ref[...], cfg.key_bits, dim, nk)  # [unit, H, D/nk] each
         s = sum(
             jnp.einsum("hrd,thd->hrt", qr[...], _select_lookup(ip, kc, cfg.key_bits), precision=_HI)
             for qr, ip in zip(q_refs, kidx)
@@ -88,19 +89,19 @@ def _kernel(
         l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=-1)
         m_ref[...] = m_new
         pv = p * vn[:, None, :]
-        for a, ip in zip(acc_refs, _kv._planes(vc_ref[...], cfg.value_bits, dim, nv)):
+        for a, ip in zip(acc_refs, _scoring.planes(vc_ref[...], cfg.value_bits, dim, nv)):
             cv = _select_lookup(ip, vc, cfg.value_bits)
             a[...] = alpha[..., None] * a[...] + jnp.einsum("hrt,thd->hrd", pv, cv, precision=_HI)
 
 
-def attend(cache: _kv.KVCache, q, *, interpret: bool):
+def attend(cache: KVCache, q, *, interpret: bool):
     """:func:`tq_jax.kvcache.attend` with the blocks in one Pallas kernel (traceable;
     shapes checked by the caller)."""
     cfg = cache.config
     batch, _, _, dim = q.shape
     heads = cache.k_codes.shape[2]
-    query = _kv._query(cache, q)
-    rows, nk, nv = query.rows, len(query.parts), _kv._parts(cfg.value_bits)
+    query = _scoring.query(cache, q)
+    rows, nk, nv = query.rows, len(query.parts), _scoring.parts(cfg.value_bits)
     ps = cfg.page_tokens
     unit = min(ps, cfg.block_tokens)
     per_page = ps // unit
@@ -145,4 +146,4 @@ def attend(cache: _kv.KVCache, q, *, interpret: bool):
         pool(cache.v_codes),
         pool(cache.v_norms),
     )
-    return _kv._finish(cache, q, jnp.concatenate(acc, axis=-1), l)
+    return _scoring.finish(cache, q, jnp.concatenate(acc, axis=-1), l)
