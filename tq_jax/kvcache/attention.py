@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
+from tq_jax.kvcache import exact as _exact
+from tq_jax.kvcache import scoring as _scoring
 from tq_jax.kvcache import xla as _xla
 from tq_jax.kvcache.state import KVCache
 
@@ -19,11 +21,15 @@ IMPLS = ("xla", "pallas")
 
 
 def _attend_impl(cache: KVCache, q, impl: str = "xla"):
+    query = _scoring.query(cache, q)
     if impl == "pallas":
         from tq_jax.kvcache import pallas_tpu  # Pallas loads only when asked for
 
-        return pallas_tpu.attend(cache, q, interpret=jax.default_backend() == "cpu")
-    return _xla.attend(cache, q)
+        m, l, acc = pallas_tpu.partial(cache, query, interpret=jax.default_backend() == "cpu")
+    else:
+        m, l, acc = _xla.partial(cache, query)
+    exact = _exact.partial(cache, q, query) if cache.config.exact else None
+    return _scoring.finish(cache, q, acc, l, m, exact)
 
 
 _attend_jit = jax.jit(_attend_impl, static_argnames="impl")

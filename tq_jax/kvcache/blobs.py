@@ -16,6 +16,7 @@ from tq_jax import blob as _blob
 from tq_jax import codec as _codec
 from tq_jax import options as _options
 from tq_jax import wire as _wire
+from tq_jax.kvcache import scoring as _scoring
 from tq_jax.kvcache.state import CacheConfig, KVCache
 from tq_jax.kvcache.write import POOL_EXHAUSTED, write_rows
 
@@ -82,7 +83,9 @@ def export(cache: KVCache, seq: int = 0, page: int | None = None) -> bytes:
             the whole sequence.
 
     Returns:
-        The blob.
+        The blob. An empty sequence (page=None) gives a valid blob of 0 tokens,
+        ``[2, 1, 0, kv_heads, head_dim]``, which :func:`load` turns back into an empty
+        sequence.
 
     Raises:
         ValueError: ``seq``/``page`` out of range, or a page holding no tokens.
@@ -98,6 +101,7 @@ def export(cache: KVCache, seq: int = 0, page: int | None = None) -> bytes:
             f"page {page} of sequence {seq} holds no tokens: the sequence has {length} tokens, "
             f"{cfg.page_tokens} per page."
         )
+
     t = hi - lo
     slots = cfg.page_tokens if page is not None else cfg.pages_per_seq * cfg.page_tokens
     *parts, overflowed = _gather_jit(cache, np.int32(seq), np.int32(lo), np.int32(hi), slots=slots)
@@ -157,14 +161,6 @@ def _float_norms(norms) -> np.ndarray:
     return norms
 
 
-def _centroid_norms(codes: np.ndarray, config: _codec.CodecConfig) -> np.ndarray:
-    """float32 ``|c|`` of each stored centroid vector (rows ``(..., row)``): the factor
-    a norm-corrected blob's decoder divides by. The rotation keeps lengths, so decoding
-    with unit norms and taking the length gives it."""
-    unit = _codec.decode(_codec.Encoded(codes, np.ones(codes.shape[:-1], np.float32)), config, jnp.float32)
-    return np.asarray(jnp.sqrt(jnp.sum(jnp.square(unit), axis=-1)))
-
-
 def _cache_norms(norms: np.ndarray, codes: np.ndarray, config: _codec.CodecConfig, corrected: bool) -> np.ndarray:
     """The cache's float16 norms for a blob's norms (float16 kept as they are).
 
@@ -175,7 +171,7 @@ def _cache_norms(norms: np.ndarray, codes: np.ndarray, config: _codec.CodecConfi
         return norms
     n = norms.astype(np.float32)
     if corrected:
-        c = _centroid_norms(codes, config)
+        c = np.asarray(_scoring.centroid_norms(codes, config))
         with np.errstate(divide="ignore", invalid="ignore"):
             n = np.where(c > 0, n / c, n)  # an all-zero centroid vector decodes as 0 either way
     n16 = n.astype(np.float16)
@@ -225,8 +221,12 @@ def _load_impl(cache: KVCache, seq, start, count, final, clear_page, kc, kn, vc,
     seqs = jnp.reshape(seq, (1,))
     over = jnp.zeros(kn.shape, jnp.bool_)
     cache, _ = write_rows(cache, seqs, jnp.reshape(start, (1,)), jnp.reshape(count, (1,)), kc, kn, vc, vn, over)
-    # pages taken by _write are fresh: nothing to clear there
-    return dataclasses.replace(cache, lengths=cache.lengths.at[seq].set(final))
+    # pages taken by write_rows are fresh: nothing to clear there. The loaded tokens have no
+    # exact copy: the window and sinks hold only tokens appended after them.
+    exact_from = jnp.maximum(jnp.where(clear_page < 0, 0, cache.exact_from[seq]), start + count)
+    return dataclasses.replace(
+        cache, lengths=cache.lengths.at[seq].set(final), exact_from=cache.exact_from.at[seq].set(exact_from)
+    )
 
 
 _load_jit = jax.jit(_load_impl)

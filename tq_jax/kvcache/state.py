@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tq_jax import codec as _codec
+from tq_jax import options as _options
 from tq_jax import packing as _packing
 from tq_jax import wire as _wire
 
@@ -21,7 +22,7 @@ if TYPE_CHECKING:  # annotations only; jaxtyping is not a runtime dependency
     from jaxtyping import Array, Float, Int32, UInt8
 
 __all__ = ["CacheConfig", "KVCache", "init", "nbytes", "BLOCK_BYTES", "BLOCK_TOKENS", "MIN_BLOCK_TOKENS",
-           "positive_int"]
+           "DEFAULT_WINDOW", "positive_int"]
 
 # attend's default block: the power of two of tokens whose dequantized keys (batch x kv_heads
 # x block x head_dim float32) fill about BLOCK_BYTES (a CPU core's L2), at most BLOCK_TOKENS
@@ -30,6 +31,15 @@ __all__ = ["CacheConfig", "KVCache", "init", "nbytes", "BLOCK_BYTES", "BLOCK_TOK
 BLOCK_BYTES = 1 << 20
 BLOCK_TOKENS = 1024
 MIN_BLOCK_TOKENS = 16
+
+# The exact window init gives a cache by default: on SmolLM2-135M with the cache in the
+# generation loop, 128 exact recent tokens bring 4/4-bit codes within 1 % of a bf16
+# cache's perplexity (docs/serving-smollm2.md). KIVI, SKVQ and transformers'
+# QuantizedCache keep 128 recent tokens exact too.
+DEFAULT_WINDOW = 128
+WINDOW_WHY = ("the most recent tokens of each sequence that attend reads exactly; 0 reads every token from "
+              "its codes, and a window holds at most max_len tokens.")
+SINKS_WHY = "the first tokens of each sequence that attend reads exactly; at most max_len."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +63,12 @@ class CacheConfig:
         page_tokens: tokens per page of the pool (``page_size``, or the per-sequence
             capacity when unpaged).
         block_tokens: tokens per step of :func:`attend`'s online softmax.
+        window: the most recent tokens of each sequence that :func:`attend` reads
+            exactly (in ``dtype``), besides their codes; 0: every token from codes.
+        sinks: the first tokens of each sequence read exactly likewise.
+        norm_correction: the stored norm of each vector is ``|x| / |c|`` (``c`` its
+            centroid vector), so decoding ``norm * R^T c`` gives TQ01 v2's
+            norm-corrected reconstruction.
     """
 
     batch: int
@@ -68,6 +84,9 @@ class CacheConfig:
     num_pages: int
     page_tokens: int
     block_tokens: int
+    window: int = 0
+    sinks: int = 0
+    norm_correction: bool = False
 
     @property
     def paged(self) -> bool:
@@ -86,6 +105,11 @@ class CacheConfig:
     def value_codec(self) -> _codec.CodecConfig:
         return _codec.CodecConfig(self.head_dim, self.value_bits, self.seed, self.rotation)
 
+    @property
+    def exact(self) -> bool:
+        """Whether some tokens are also held exactly (a window or sinks)."""
+        return self.window > 0 or self.sinks > 0
+
 
 @dataclasses.dataclass(frozen=True)
 class KVCache:
@@ -103,6 +127,14 @@ class KVCache:
         next_page: int32 ``()``: the next free page of the pool (pages go out in order).
         overflow: bool ``(num_pages, kv_heads)``: the page holds a vector whose finite
             norm overflowed float16 (it is stored as inf); :func:`export` refuses such pages.
+        k_window: ``dtype`` ``(batch, window, kv_heads, head_dim)``: a ring of the last
+            ``window`` keys of each sequence, position ``p`` in slot ``p % window``.
+        v_window: the values' ring, likewise.
+        k_sinks: ``dtype`` ``(batch, sinks, kv_heads, head_dim)``: the first ``sinks``
+            keys of each sequence.
+        v_sinks: the values, likewise.
+        exact_from: int32 ``(batch,)``: positions below it have no exact copy (tokens
+            that :func:`load` brought in as codes); 0 for tokens appended.
     """
 
     config: CacheConfig
@@ -114,16 +146,19 @@ class KVCache:
     page_table: "Int32[Array, 'B pages']"
     next_page: "Int32[Array, '']"
     overflow: "Array"
+    k_window: "Array"
+    v_window: "Array"
+    k_sinks: "Array"
+    v_sinks: "Array"
+    exact_from: "Int32[Array, ' B']"
 
 
 jax.tree_util.register_dataclass(
     KVCache,
-    data_fields=["k_codes", "k_norms", "v_codes", "v_norms", "lengths", "page_table", "next_page", "overflow"],
+    data_fields=["k_codes", "k_norms", "v_codes", "v_norms", "lengths", "page_table", "next_page", "overflow",
+                 "k_window", "v_window", "k_sinks", "v_sinks", "exact_from"],
     meta_fields=["config"],
 )
-
-
-# --------------------------------------------------------------------------- init
 
 
 # --------------------------------------------------------------------------- init
@@ -146,16 +181,47 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def _resolve_options(options, overrides: dict) -> _options.Options:
+    """The cache's codec settings as one validated :class:`tq_jax.Options`."""
+    if options is None:
+        opts = _options.Options(key_bits=4, value_bits=4)
+    elif isinstance(options, str):
+        if options not in _options.PRESETS:
+            raise ValueError(
+                f"`options` names no preset: {options!r}. Presets: {sorted(_options.PRESETS)}; or pass a "
+                f"tq_jax.Options."
+            )
+        opts = _options.Options(**_options.PRESETS[options])
+    elif isinstance(options, _options.Options):
+        opts = options
+    else:
+        raise ValueError(f"`options` must be None, a preset name or a tq_jax.Options, got {type(options).__name__}.")
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if given:
+        opts = opts.replace(**given)  # validated by Options, with its messages
+    if opts.skip_first_layers or opts.skip_last_layers:
+        raise ValueError(
+            f"skip_first_layers={opts.skip_first_layers}, skip_last_layers={opts.skip_last_layers}: raw layers "
+            f"are a property of multi-layer blobs; a cache holds one layer. Keep a layer exact by not compressing "
+            f"it (a dense cache for that layer), or drop the raw-layer settings."
+        )
+    return opts
+
+
 def init(
     batch: int,
     max_len: int,
     kv_heads: int,
     head_dim: int,
-    key_bits: int = 4,
-    value_bits: int = 4,
-    rotation: str = "haar",
-    seed: int = 42,
     *,
+    options=None,
+    key_bits: int | None = None,
+    value_bits: int | None = None,
+    rotation: str | None = None,
+    seed: int | None = None,
+    norm_correction: bool | None = None,
+    window: int | None = None,
+    sinks: int = 0,
     page_size: int | None = None,
     num_pages: int | None = None,
     dtype=jnp.bfloat16,
@@ -168,10 +234,19 @@ def init(
         max_len: most tokens per sequence.
         kv_heads: key/value heads.
         head_dim: vector length (``head_dim * bits`` a multiple of 8 for both widths).
-        key_bits: bits per key coordinate, 1..8.
-        value_bits: bits per value coordinate, 1..8.
-        rotation: ``"haar"`` (TQ01 v1's) or ``"hadamard"`` (v2's fast one).
-        seed: rotation seed.
+        options: the codec settings: None (4-bit keys and values, Haar rotation, seed
+            42: TQ01 v1's), a preset name of :data:`tq_jax.PRESETS` (``"turbo-3.5"``:
+            K4V3, ``"turbo-2.5"``: K3V2, both Hadamard with norm correction), or a
+            :class:`tq_jax.Options`. The cache uses its ``key_bits``, ``value_bits``,
+            ``rotation``, ``seed`` and ``norm_correction``; norms are float16 in the
+            cache whatever ``norm_dtype``/``norm_bits`` say (log-coded norms and
+            checksums are storage formats of blobs, not of the cache).
+        key_bits, value_bits, rotation, seed, norm_correction: override those fields
+            of ``options``.
+        window: the most recent tokens of each sequence held exactly as well (in
+            ``dtype``), which :func:`attend` reads instead of their codes; default
+            :data:`DEFAULT_WINDOW` (at most ``max_len``); 0 reads every token from codes.
+        sinks: the first tokens of each sequence held exactly as well (0..max_len).
         page_size: tokens per page (a power of two) for a paged cache; None: one
             page of the whole capacity per sequence.
         num_pages: pages in the pool (paged only); default ``batch * ceil(max_len /
@@ -181,25 +256,32 @@ def init(
             power of two whose float32 keys, ``batch * kv_heads * block * head_dim * 4``
             bytes, fill about ``BLOCK_BYTES``, within ``16..BLOCK_TOKENS``).
 
+    Every token is quantized once, when it is appended, so its codes never change and
+    :func:`export` writes the same bytes whatever the window; the window costs
+    ``window`` tokens of ``dtype`` K/V per sequence and nothing else per token.
+
     Returns:
         :class:`KVCache` with every sequence empty.
 
     Raises:
-        ValueError: a non-positive size, unsupported bits/rotation/dtype, or a
-            ``head_dim`` whose rows do not pack into whole bytes.
+        ValueError: a non-positive size, unsupported bits/rotation/dtype, a
+            ``head_dim`` whose rows do not pack into whole bytes, a window or sink
+            count outside ``0..max_len``, an unknown preset.
 
     Examples:
-        >>> cache = init(batch=1, max_len=64, kv_heads=2, head_dim=64)
-        >>> cache.k_codes.shape, cache.k_norms.dtype
-        ((1, 64, 2, 32), dtype('float16'))
+        >>> cache = init(batch=1, max_len=64, kv_heads=2, head_dim=64, window=16)
+        >>> cache.k_codes.shape, cache.k_norms.dtype, cache.k_window.shape
+        ((1, 64, 2, 32), dtype('float16'), (1, 16, 2, 64))
     """
     batch = positive_int(batch, "batch", "the number of sequences the cache holds.")
     max_len = positive_int(max_len, "max_len", "the most tokens one sequence may hold.")
     kv_heads = positive_int(kv_heads, "kv_heads", "the number of key/value heads.")
     head_dim = positive_int(head_dim, "head_dim", "the length of each key/value vector.")
-    for name, bits in (("key_bits", key_bits), ("value_bits", value_bits)):
-        if not isinstance(bits, (int, np.integer)) or isinstance(bits, bool) or not 1 <= bits <= 8:
-            raise ValueError(f"`{name}` must be an int in 1..8, got {bits!r}: it sets the codebook size 2**bits.")
+    opts = _resolve_options(
+        options,
+        dict(key_bits=key_bits, value_bits=value_bits, rotation=rotation, seed=seed, norm_correction=norm_correction),
+    )
+    for name, bits in (("key_bits", opts.key_bits), ("value_bits", opts.value_bits)):
         g = _packing.plane_count(int(bits))
         if head_dim % g:
             raise ValueError(
@@ -207,14 +289,14 @@ def init(
                 f"the cache stores one byte-aligned row per vector, so head_dim must be a multiple of {g} "
                 f"at {bits} bits (any multiple of 8 works for every width)."
             )
-    # CodecConfig validates rotation and seed with its own messages
-    _codec.CodecConfig(head_dim, int(key_bits), seed, rotation)
-    if _wire.dense_dim(head_dim, rotation) > _wire.MAX_DENSE_DIM:
+    if _wire.dense_dim(head_dim, opts.rotation) > _wire.MAX_DENSE_DIM:
         raise ValueError(
-            f"head_dim={head_dim} with rotation={rotation!r} needs a dense rotation of side "
-            f"{_wire.dense_dim(head_dim, rotation)}, above the MAX_DENSE_DIM={_wire.MAX_DENSE_DIM} TQ01 readers "
-            f"accept; use rotation='hadamard'."
+            f"head_dim={head_dim} with rotation={opts.rotation!r} needs a dense rotation of side "
+            f"{_wire.dense_dim(head_dim, opts.rotation)}, above the MAX_DENSE_DIM={_wire.MAX_DENSE_DIM} TQ01 "
+            f"readers accept; use rotation='hadamard'."
         )
+    window = min(DEFAULT_WINDOW, max_len) if window is None else _count(window, "window", max_len, WINDOW_WHY)
+    sinks = _count(sinks, "sinks", max_len, SINKS_WHY)
     try:
         dtype_name = jnp.dtype(dtype).name
     except TypeError:
@@ -244,15 +326,18 @@ def init(
         max_len=max_len,
         kv_heads=kv_heads,
         head_dim=head_dim,
-        key_bits=int(key_bits),
-        value_bits=int(value_bits),
-        rotation=rotation,
-        seed=int(seed),
+        key_bits=opts.key_bits,
+        value_bits=opts.value_bits,
+        rotation=opts.rotation,
+        seed=opts.seed,
         dtype=dtype_name,
         page_size=page_size,
         num_pages=int(num_pages),
         page_tokens=page_tokens,
         block_tokens=block,
+        window=window,
+        sinks=sinks,
+        norm_correction=opts.norm_correction,
     )
     rk = config.key_codec.row_nbytes
     rv = config.value_codec.row_nbytes
@@ -263,6 +348,7 @@ def init(
     else:
         table = jnp.arange(batch, dtype=jnp.int32)[:, None]
         next_page = jnp.asarray(batch, jnp.int32)
+    exact = lambda n: jnp.zeros((batch, n, kv_heads, head_dim), dtype_name)  # noqa: E731
     return KVCache(
         config=config,
         k_codes=jnp.zeros(pool + (rk,), jnp.uint8),
@@ -273,7 +359,18 @@ def init(
         page_table=table,
         next_page=next_page,
         overflow=jnp.zeros((config.num_pages, kv_heads), jnp.bool_),
+        k_window=exact(window),
+        v_window=exact(window),
+        k_sinks=exact(sinks),
+        v_sinks=exact(sinks),
+        exact_from=jnp.zeros((batch,), jnp.int32),
     )
+
+
+def _count(value, name: str, max_len: int, why: str) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not 0 <= value <= max_len:
+        raise ValueError(f"`{name}` must be an int in 0..max_len={max_len}, got {value!r}: {why}")
+    return int(value)
 
 
 def nbytes(cache: KVCache) -> int:

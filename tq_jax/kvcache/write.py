@@ -14,6 +14,7 @@ import numpy as np
 
 from tq_jax import blob as _blob
 from tq_jax import codec as _codec
+from tq_jax.kvcache import scoring as _scoring
 from tq_jax.kvcache.state import KVCache
 
 __all__ = ["append", "write_rows", "concrete", "MAX_LEN_EXCEEDED", "POOL_EXHAUSTED", "NORM_OVERFLOW"]
@@ -102,12 +103,52 @@ def _append_impl(cache: KVCache, k, v, new_lengths):
     v = v if v.dtype == dt else v.astype(dt)
     ek = _codec.encode(k, cfg.key_codec)
     ev = _codec.encode(v, cfg.value_codec)
-    kn, k_over = _f16_norms(ek.norms)
-    vn, v_over = _f16_norms(ev.norms)
+    kn, k_over = _f16_norms(_stored_norms(ek, cfg.key_codec, cfg.norm_correction))
+    vn, v_over = _f16_norms(_stored_norms(ev, cfg.value_codec, cfg.norm_correction))
     batch = k.shape[0]
     counts = jnp.clip(new_lengths, 0, k.shape[1])
     seqs = jnp.arange(batch, dtype=jnp.int32)
-    return write_rows(cache, seqs, cache.lengths, counts, ek.packed, kn, ev.packed, vn, k_over | v_over)
+    start = cache.lengths
+    new, flagged = write_rows(cache, seqs, start, counts, ek.packed, kn, ev.packed, vn, k_over | v_over)
+    if cfg.exact:
+        new = _write_exact(new, k, v, start, new.lengths)
+    return new, flagged
+
+
+def _stored_norms(enc: _codec.Encoded, config: _codec.CodecConfig, corrected: bool):
+    """The norm the cache stores: ``|x|``, or ``|x| / |c|`` with norm correction (an
+    all-zero centroid vector keeps ``|x|``: it decodes as 0 either way)."""
+    if not corrected:
+        return enc.norms
+    c = _scoring.centroid_norms(enc.packed, config)
+    return jnp.where(c > 0, enc.norms / jnp.where(c > 0, c, 1.0), enc.norms)
+
+
+def _write_exact(cache: KVCache, k, v, start, end):
+    """Copy the appended tokens that land in the window ring (the last ``window`` before
+    ``end``) or among the first ``sinks`` positions into the exact buffers. ``k``/``v``
+    ``[B, N, H, D]`` hold positions ``start...``; ``end`` is each sequence's new length."""
+    cfg = cache.config
+    n = k.shape[1]
+    pos = start[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]  # [B, N]
+    stored = pos < end[:, None]
+    rows = jnp.arange(k.shape[0], dtype=jnp.int32)[:, None]
+    if cfg.window:
+        keep = stored & (pos >= end[:, None] - cfg.window)
+        slot = jnp.where(keep, pos % cfg.window, cfg.window)  # out of range: the scatter drops it
+        cache = dataclasses.replace(
+            cache,
+            k_window=cache.k_window.at[rows, slot].set(k, mode="drop"),
+            v_window=cache.v_window.at[rows, slot].set(v, mode="drop"),
+        )
+    if cfg.sinks:
+        slot = jnp.where(stored & (pos < cfg.sinks), pos, cfg.sinks)
+        cache = dataclasses.replace(
+            cache,
+            k_sinks=cache.k_sinks.at[rows, slot].set(k, mode="drop"),
+            v_sinks=cache.v_sinks.at[rows, slot].set(v, mode="drop"),
+        )
+    return cache
 
 
 _append_jit = jax.jit(_append_impl)

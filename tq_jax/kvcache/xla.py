@@ -11,20 +11,22 @@ from tq_jax import codec as _codec
 from tq_jax.kvcache import scoring as _scoring
 from tq_jax.kvcache.state import KVCache
 
-__all__ = ["attend"]
+__all__ = ["partial"]
 
 _HI = lax.Precision.HIGHEST
 
 
-def attend(cache: KVCache, q):
+def partial(cache: KVCache, query: _scoring.Query):
+    """The coded part of attention: ``(m, l, acc)`` of an online softmax over the tokens
+    :func:`tq_jax.kvcache.scoring.coded_mask` selects, ``acc`` in the rotated domain and
+    planar value order, ``[B, H, R(, D)]``."""
     cfg = cache.config
-    batch, _, _, dim = q.shape
+    batch, dim = cache.lengths.shape[0], cfg.head_dim  # local batch under shard_map
     heads = cache.k_codes.shape[2]
     kc = jnp.asarray(_codec.device_tables(cfg.key_codec).centroids)
     vc = jnp.asarray(_codec.device_tables(cfg.value_codec).centroids)
-    query = _scoring.query(cache, q)
     nv = _scoring.parts(cfg.value_bits)
-    lengths = cache.lengths
+    hi = query.hi
 
     ps, blk = cfg.page_tokens, cfg.block_tokens
     unit = min(ps, blk)  # pool rows gathered at once: a page, or a block inside one
@@ -37,7 +39,7 @@ def attend(cache: KVCache, q):
     table = cache.page_table
     pps = table.shape[1]
     max_blocks = -(-pps * ps // blk)
-    n_blocks = jnp.minimum((jnp.max(lengths) + blk - 1) // blk, max_blocks)
+    n_blocks = jnp.minimum((jnp.max(hi) + blk - 1) // blk, max_blocks)
     scores = (((3,), (3,)), ((0, 1), (0, 1)))  # [B,H,R,d] x [B,H,T,d] -> [B,H,R,T]
     values = (((3,), (2,)), ((0, 1), (0, 1)))  # [B,H,R,T] x [B,H,T,d] -> [B,H,R,d]
 
@@ -60,14 +62,17 @@ def attend(cache: KVCache, q):
         page = table[:, jnp.clip(starts // ps, 0, pps - 1)]  # [B, per_block]
         uidx = jnp.maximum(page, 0) * per_page + (starts % ps)[None, :] // unit
         tok = t0 + jnp.arange(blk, dtype=jnp.int32)
-        present = (tok[None, :] < lengths[:, None])[:, None, :]  # [B, 1, T]
+        present = tok[None, :] < hi[:, None]  # [B, T]: coded tokens (norms of the rest read as 0)
+        if query.sinks:
+            present &= (tok[None, :] < query.sink_lo[:, None]) | (tok[None, :] >= query.sinks)
+        present = present[:, None, :]  # [B, 1, T]
         kn = jnp.where(present, gather(knorm, uidx, j).astype(jnp.float32), 0.0)  # [B, H, T]
         vn = jnp.where(present, gather(vnorm, uidx, j).astype(jnp.float32), 0.0)
         kidx = _scoring.planes(gather(kpool, uidx, j), cfg.key_bits, dim, len(query.parts))
         # q'.c[idx] per plane, then the norm: a [T] multiply, not a [T, D] one
         s = sum(lax.dot_general(qp, _scoring.lookup(kc, ip), scores, precision=_HI) for qp, ip in zip(query.parts, kidx))
         s = s * kn[:, :, None, :]
-        mask = (tok[None, None, :] <= query.last[:, :, None])[:, None]  # [B, 1, R, T]
+        mask = _scoring.coded_mask(query, tok[None, None, :])[:, None]  # [B, 1, R, T]
         s = jnp.where(mask, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no token seen yet
@@ -87,5 +92,5 @@ def attend(cache: KVCache, q):
     q0 = query.parts[0]
     zeros = jnp.broadcast_to(jnp.zeros_like(q0[..., :1]), q0.shape[:-1] + (dim // nv,))
     init_carry = (zeros[..., 0] - jnp.inf, zeros[..., 0], (zeros,) * nv)
-    _, l, acc = lax.fori_loop(0, n_blocks, body, init_carry)
-    return _scoring.finish(cache, q, jnp.concatenate(acc, axis=-1), l)
+    m, l, acc = lax.fori_loop(0, n_blocks, body, init_carry)
+    return m, l, jnp.concatenate(acc, axis=-1)
