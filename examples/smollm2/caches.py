@@ -163,9 +163,9 @@ def init_cache(cfg: LlamaConfig, kind: str, batch: int, max_len: int, **kvcache_
             one = kvcache.init(batch, max_len, cfg.kv_heads, cfg.head_dim, **kvcache_kwargs)
         except TypeError as e:
             raise TypeError(
-                f"kvcache.init rejected the settings {kvcache_kwargs}: {e}. This tq_jax's kvcache.init takes "
-                "only the keywords in its signature (window=/sinks=/options= need the kvcache with the exact "
-                "recent window)."
+                f"kvcache.init rejected the settings {kvcache_kwargs}: {e}. A cache spec's name=value pairs "
+                "are kvcache.init's keyword arguments (options, key_bits, value_bits, rotation, seed, "
+                "norm_correction, window, sinks, page_size, ...)."
             ) from e
         return jax.tree.map(lambda x: jnp.broadcast_to(x, (cfg.layers, *x.shape)).copy(), one)
     raise ValueError(f"`kind` must be one of {KINDS}, got {kind!r}.")
