@@ -46,6 +46,16 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
 def _spec(text: str) -> _caches.CacheSpec:
     try:
         return _caches.parse_spec(text)
@@ -328,10 +338,10 @@ def _parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("quality", help="in-loop ΔPPL and KL vs the bf16 cache")
     common(q, "smollm2_inloop.md", ["tq"])
-    q.add_argument("--seqs", type=int, default=4, help="text windows run as one batch (default %(default)s)")
-    q.add_argument("--prefix", type=int, default=256, help="tokens prefilled per window (default %(default)s)")
-    q.add_argument("--scored", type=int, default=512, help="tokens scored per window (default %(default)s)")
-    q.add_argument("--chunk", type=int, default=1, help="tokens per scoring step; 1 is the strict protocol, more is a quick look (default %(default)s)")
+    q.add_argument("--seqs", type=_positive, default=4, help="text windows run as one batch (default %(default)s)")
+    q.add_argument("--prefix", type=_positive, default=256, help="tokens prefilled per window (default %(default)s)")
+    q.add_argument("--scored", type=_positive, default=512, help="tokens scored per window (default %(default)s)")
+    q.add_argument("--chunk", type=_positive, default=1, help="tokens per scoring step; 1 is the strict protocol, more is a quick look (default %(default)s)")
     q.add_argument("--float32", action="store_true", help="add a float32 no-cache perplexity row (a forward pass per window)")
     q.set_defaults(func=cmd_quality)
 
@@ -339,7 +349,7 @@ def _parser() -> argparse.ArgumentParser:
     common(p, "smollm2_passkey.md", ["tq"])
     p.add_argument("--contexts", type=_int_list, default=[512, 1024, 2048], help="prompt lengths in tokens (default 512,1024,2048)")
     p.add_argument("--depths", type=_int_list, default=[0, 25, 50, 75, 100], help="key depths in %% of the filler (default 0,25,50,75,100)")
-    p.add_argument("--keys", type=int, default=10, help="random keys per cell, run as one batch (default %(default)s)")
+    p.add_argument("--keys", type=_positive, default=10, help="random keys per cell, run as one batch (default %(default)s)")
     p.add_argument("--format", choices=_passkey.FORMATS, default="chat", help="prompt format (default %(default)s: scores best with the bf16 cache)")
     p.add_argument("--seed", type=int, default=0, help="seed of the keys (default %(default)s)")
     p.add_argument("--strict-prefill", action="store_true", help="prefill the context through each cache under test instead of loading exact K/V")
@@ -347,9 +357,9 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("speed", help="decode tokens/s, greedy text, bytes, and the check against transformers")
     common(s, "smollm2.md", ["tq"])
-    s.add_argument("--capacity", type=int, default=2048, help="cache capacity in tokens (default %(default)s)")
-    s.add_argument("--gen", type=int, default=64, help="greedy tokens generated (default %(default)s)")
-    s.add_argument("--rounds", type=int, default=3, help="timed rounds after one warm-up (default %(default)s)")
+    s.add_argument("--capacity", type=_positive, default=2048, help="cache capacity in tokens (default %(default)s)")
+    s.add_argument("--gen", type=_positive, default=64, help="greedy tokens generated (default %(default)s)")
+    s.add_argument("--rounds", type=_positive, default=3, help="timed rounds after one warm-up (default %(default)s)")
     s.add_argument("--check-tokens", type=int, default=256, help="tokens for the check against transformers; 0 skips it (needs torch, accelerate)")
     s.set_defaults(func=cmd_speed)
     return ap
