@@ -39,6 +39,8 @@ pytestmark = [
 SHAPE = torch.Size((2, 4, 16, 512))  # 128 KiB of bf16 per chunk, head_dim 128
 LAYOUT = MemoryLayoutDesc(shapes=[SHAPE], dtypes=[torch.bfloat16])
 PRESETS = ["compat-4bit", "turbo-3.5", "turbo-2.5"]
+# turbo-3.5 (the production preset) runs in the quick subset; the other presets are `slow`.
+SWEEP = [pytest.param(p, marks=[] if p == "turbo-3.5" else [pytest.mark.slow]) for p in PRESETS]
 CHECKSUM = {p: bool(tq_jax.PRESETS[p].get("checksum")) for p in PRESETS}
 L1_GB = 0.004  # ~4 MiB (32 chunks): holds fewer chunks than the tests store, so L1 must evict to L2
 
@@ -149,7 +151,7 @@ def row(fault: str, preset: str, results: list[str]) -> dict:
 # ----------------------------------------------------------------------------- end to end
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", SWEEP)
 def test_store_evict_load_through_redis(redis_server, open_store, preset):  # noqa: F811
     st = open_store(redis_server.port, preset)
     keys, data = [okey(i, "e2e") for i in range(12)], chunks(12)
@@ -168,6 +170,7 @@ def test_store_evict_load_through_redis(redis_server, open_store, preset):  # no
         assert len(values[0]) == tq_jax.Options(**tq_jax.PRESETS[preset]).serialized_size((2, 4, 16, 4, 128), "bfloat16") + KEY_TRAILER_BYTES
 
 
+@pytest.mark.slow
 def test_l1_evicts_to_redis(redis_server, open_store):  # noqa: F811
     """48 chunks through a 32-chunk L1: writing them at all needs LMCache's LRU to evict
     stored chunks; the first ones then load back from Redis, equal to their stored blobs."""
@@ -191,7 +194,7 @@ def _stored(redis_server, open_store, preset, tag, n, salt=""):  # noqa: F811
     return st, rc, keys, [rc.get(describe_key(k)) for k in keys]
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", SWEEP)
 def test_setrange_flips(redis_server, open_store, preset):  # noqa: F811
     st, rc, keys, values = _stored(redis_server, open_store, preset, "flip", 16)
     rng = np.random.default_rng(0)
@@ -208,7 +211,7 @@ def test_setrange_flips(redis_server, open_store, preset):  # noqa: F811
         assert r["detected"] + r["wrong"] == 16 and r["wrong"] >= 12
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", SWEEP)
 def test_truncated_values(redis_server, open_store, preset):  # noqa: F811
     st, rc, keys, values = _stored(redis_server, open_store, preset, "trunc", 8)
     rng = np.random.default_rng(1)
@@ -218,7 +221,7 @@ def test_truncated_values(redis_server, open_store, preset):  # noqa: F811
     assert (r["detected"], r["wrong"]) == (8, 0)  # the RESP client's GET checks the length
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", SWEEP)
 def test_values_swapped_between_keys(redis_server, open_store, preset):  # noqa: F811
     st, rc, keys, values = _stored(redis_server, open_store, preset, "swap", 8)
     for i in range(0, 8, 2):
@@ -231,7 +234,7 @@ def test_values_swapped_between_keys(redis_server, open_store, preset):  # noqa:
         assert r["wrong"] == 8  # v1 carries nothing of its key: served as the other chunk
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", SWEEP)
 def test_value_copied_across_tenants(redis_server, open_store, preset):  # noqa: F811
     """Same prompt, two tenants (same chunk hashes, other cache_salt): tenant A's value
     copied over tenant B's."""
@@ -251,6 +254,7 @@ def test_value_copied_across_tenants(redis_server, open_store, preset):  # noqa:
 # ----------------------------------------------------------------------------- server faults
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["compat-4bit", "turbo-3.5"])
 def test_server_killed_mid_store_and_restarted_empty(redis_server, open_store, preset):  # noqa: F811
     st = open_store(redis_server.port, preset)
@@ -275,6 +279,7 @@ def test_server_killed_mid_store_and_restarted_empty(redis_server, open_store, p
     row("server SIGKILL mid-store, restarted empty", preset, ["miss"] * 4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["compat-4bit", "turbo-3.5"])
 def test_server_killed_mid_load(redis_server, open_store, preset):  # noqa: F811
     st = open_store(redis_server.port, preset)
@@ -299,6 +304,7 @@ def test_server_killed_mid_load(redis_server, open_store, preset):  # noqa: F811
     assert r["wrong"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["compat-4bit", "turbo-3.5"])
 def test_server_at_maxmemory(small_redis_server, open_store, preset):  # noqa: F811
     """4 MiB with allkeys-lru and ~6 MiB of values: Redis evicts; loads miss or are right."""
@@ -319,6 +325,7 @@ def test_server_at_maxmemory(small_redis_server, open_store, preset):  # noqa: F
     assert r["wrong"] == 0
 
 
+@pytest.mark.slow
 def test_server_stalled_then_resumed(redis_server, open_store):  # noqa: F811
     """SIGSTOP: the RESP client has no timeout, so loads wait; the caller's
     ``wait_prefetch_status(timeout=...)`` returns, nothing else blocks, and after SIGCONT
