@@ -54,6 +54,7 @@ __all__ = ["attend", "partial", "Tuning", "DEFAULT_TUNING", "LOOKUPS", "DOTS"]
 LOOKUPS = ("select", "gather")
 DOTS = ("bf16x3", "tf32x3", "ieee")
 MIN_DOT = 16  # Triton's smallest dot dimension
+ROW_TILE = 64  # query rows per program at most (a decode step has group * q_len of them)
 TARGET_PROGRAMS = 1024  # splits fill about this many programs (a few waves on a ~100-SM GPU)
 
 
@@ -163,12 +164,13 @@ def _mm(a, b, *, trans_b: bool, precision):
 
 
 def _kernel(hi_ref, lo_ref, table_ref, last_ref, q_ref, kc_ref, kn_ref, vc_ref, vn_ref, *refs, st):
-    """One (sequence, KV head, split). ``st`` holds the static shape facts (a dict)."""
+    """One (sequence, KV head, row tile, split). ``st`` holds the static facts (a dict)."""
     if st["lookup"] == "gather":
         ktab_ref, vtab_ref, m_ref, l_ref, acc_ref = refs
     else:
         m_ref, l_ref, acc_ref = refs
-    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b, h = pl.program_id(0), pl.program_id(1)
+    s = lax.rem(pl.program_id(2), st["splits"])  # axis 2 is (row tile, split)
     blk, page, pps, chunk, sinks = st["block"], st["page"], st["pps"], st["chunk"], st["sinks"]
     kbits, vbits, precision = st["kbits"], st["vbits"], st["precision"]
     hi, sink_lo = hi_ref[b], lo_ref[b]
@@ -251,6 +253,8 @@ def partial(cache: KVCache, query: _scoring.Query, *, interpret: bool, tuning: T
     dim = cfg.head_dim
     rows = query.rows
     rp = max(MIN_DOT, _pow2(rows))
+    rt = min(rp, ROW_TILE)  # rows per program; more rows (a prefill) take more programs
+    n_rt = rp // rt
     gk, gv = _packing.plane_count(cfg.key_bits), _packing.plane_count(cfg.value_bits)
     wk, wv = dim // gk, dim // gv
     pgk, pgv = gk * cfg.key_bits // 8, gv * cfg.value_bits // 8
@@ -269,7 +273,7 @@ def partial(cache: KVCache, query: _scoring.Query, *, interpret: bool, tuning: T
     pps = cache.page_table.shape[1]
     blk = tuning.block
     capacity_blocks = -(-pps * page // blk)
-    ns = _splits(tuning, batch * heads, capacity_blocks)
+    ns = _splits(tuning, batch * heads * n_rt, capacity_blocks)
     chunk = blk * -(-capacity_blocks // ns)
 
     # queries: planar key order -> [B, H, gk, Rp, Wk]; padded rows see nothing (last = -1)
@@ -295,14 +299,14 @@ def partial(cache: KVCache, query: _scoring.Query, *, interpret: bool, tuning: T
         }[tuning.dot]
     st = dict(
         block=blk, page=page, pps=pps, chunk=chunk, sinks=sinks, kbits=cfg.key_bits, vbits=cfg.value_bits,
-        gk=gk, gv=gv, pgk=pgk, pgv=pgv, wv=wv, lookup=tuning.lookup, precision=precision,
+        gk=gk, gv=gv, pgk=pgk, pgv=pgv, wv=wv, lookup=tuning.lookup, precision=precision, splits=ns,
         kc=ktab, vc=vtab,
     )
     whole = lambda a: pl.BlockSpec(a.shape, lambda b, h, s, n=a.ndim: (0,) * n)  # noqa: E731
     inputs = [hi.astype(jnp.int32), sink_lo.astype(jnp.int32), cache.page_table, last, qp, kc, kn, vc, vn]
     in_specs = [whole(a) for a in inputs[:3]] + [
-        pl.BlockSpec((None, rp), lambda b, h, s: (b, 0)),
-        pl.BlockSpec((None, None, gk, rp, wk), lambda b, h, s: (b, h, 0, 0, 0)),
+        pl.BlockSpec((None, rt), lambda b, h, s: (b, s // ns)),
+        pl.BlockSpec((None, None, gk, rt, wk), lambda b, h, s: (b, h, 0, s // ns, 0)),
     ] + [whole(a) for a in inputs[5:]]
     if tuning.lookup == "gather":
         inputs += [jnp.asarray(ktab), jnp.asarray(vtab)]
@@ -313,14 +317,14 @@ def partial(cache: KVCache, query: _scoring.Query, *, interpret: bool, tuning: T
         jax.ShapeDtypeStruct((batch, heads, ns, gv, rp, wv), jnp.float32),
     ]
     out_specs = [
-        pl.BlockSpec((None, None, None, rp), lambda b, h, s: (b, h, s, 0)),
-        pl.BlockSpec((None, None, None, rp), lambda b, h, s: (b, h, s, 0)),
-        pl.BlockSpec((None, None, None, gv, rp, wv), lambda b, h, s: (b, h, s, 0, 0, 0)),
+        pl.BlockSpec((None, None, None, rt), lambda b, h, s: (b, h, s % ns, s // ns)),
+        pl.BlockSpec((None, None, None, rt), lambda b, h, s: (b, h, s % ns, s // ns)),
+        pl.BlockSpec((None, None, None, gv, rt, wv), lambda b, h, s: (b, h, s % ns, 0, s // ns, 0)),
     ]
     kw = {} if interpret else dict(compiler_params=compiler_params(tuning.num_warps, tuning.num_stages))
     m, l, acc = pl.pallas_call(
         functools.partial(_kernel, st=st),
-        grid=(batch, heads, ns),
+        grid=(batch, heads, n_rt * ns),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
