@@ -72,6 +72,9 @@ class Sizes:
     model_batch: int
     context: int
     decode_steps: int
+    kv_cases: int  # step 1's kvcache cases (of KV_CASES)
+    model_kinds: int  # step 4's caches (bf16, 4/4 xla, 4/4 pallas_gpu, K4V3 xla, K4V3 pallas_gpu)
+    variants: bool  # step 3 times the kernel's tuning variants (at the second length)
 
 
 FULL = Sizes(
@@ -79,14 +82,14 @@ FULL = Sizes(
     tokens=(8192, 32768, 131072),
     batch=8, kv_heads=8, group=4, dim=128, reps=10,
     model=dict(vocab_size=49152, hidden=576, layers=30, heads=9, kv_heads=3, head_dim=64, ffn=1536),
-    model_batch=8, context=4096, decode_steps=16,
+    model_batch=8, context=4096, decode_steps=16, kv_cases=4, model_kinds=5, variants=True,
 )
 SMOKE = Sizes(
     codec=(("W1/64", (2, 2, 16, 2, 128)),),
     tokens=(64,),
     batch=2, kv_heads=2, group=4, dim=128, reps=2,
     model=dict(vocab_size=256, hidden=192, layers=2, heads=3, kv_heads=1, head_dim=64, ffn=128),
-    model_batch=2, context=16, decode_steps=2,
+    model_batch=2, context=8, decode_steps=3, kv_cases=2, model_kinds=3, variants=False,
 )
 CODEC_OPTIONS = (
     ("v1 4-bit", dict(bits=4)),
@@ -202,10 +205,10 @@ KV_CASES = [  # (rotation, key_bits, value_bits, group, page_size, q_len, dim)
 ]
 
 
-def check_kvcache() -> list:
+def check_kvcache(n_cases: int) -> list:
     rows = []
     rng = np.random.default_rng(1)
-    for rot, kb, vb, group, ps, q_len, dim in KV_CASES:
+    for rot, kb, vb, group, ps, q_len, dim in KV_CASES[:n_cases]:
         tag = f"kvcache {rot} {kb}/{vb} gqa{group} {'paged' + str(ps) if ps else 'unpaged'} q{q_len} d{dim}"
         cache, ks, vs, q = filled_cache(rng, kb, vb, rot, ps, group, q_len, dim)
         cfg = cache.config
@@ -224,8 +227,8 @@ def check_kvcache() -> list:
     return rows
 
 
-def step_correctness(dev, keep_going: bool) -> list:
-    rows = check_codec(dev) + check_kvcache()
+def step_correctness(dev, sizes: Sizes, keep_going: bool) -> list:
+    rows = check_codec(dev) + check_kvcache(sizes.kv_cases)
     for name, ok, detail in rows:
         print(f"  [{'ok' if ok else 'FAIL'}] {name} {detail}", flush=True)
     bad = [r for r in rows if not r[1]]
@@ -314,7 +317,7 @@ def step_attend(sizes: Sizes, table: list):
                 ("kvcache xla", lambda: kvcache.attend(cache, q, impl="xla")),
                 ("kvcache pallas_gpu", lambda: gpu_attend(cache, q)),
             ]
-            if t == sizes.tokens[min(1, len(sizes.tokens) - 1)]:  # the kernel's variants at 32k
+            if sizes.variants and t == sizes.tokens[1]:  # the kernel's variants at 32k
                 for name, tun in (("gather lookup", dict(lookup="gather")), ("block 128", dict(block=128)),
                                   ("tf32x3 dots", dict(dot="tf32x3")), ("8 warps", dict(num_warps=8))):
                     tuning = pallas_gpu.Tuning(**tun)
@@ -350,6 +353,7 @@ def model_api():
     if not all(found.get(n) for n in ("LlamaConfig", "init_cache", "make_step")):
         spec = importlib.util.spec_from_file_location("llama_jax", ROOT / "benchmarks" / "llama_jax.py")
         m = importlib.util.module_from_spec(spec)
+        sys.modules.setdefault("llama_jax", m)  # its dataclasses look their module up there
         spec.loader.exec_module(m)
         found = {n: getattr(m, n) for n in ("LlamaConfig", "init_cache", "make_step")}
     return found["LlamaConfig"], found["init_cache"], found["make_step"]
@@ -392,29 +396,30 @@ def step_model(sizes: Sizes, table: list):
     b, ctx, steps = sizes.model_batch, sizes.context, sizes.decode_steps
     cap = ctx + steps + 8
     prompt = jax.random.randint(jax.random.key(6), (b, ctx), 0, cfg.vocab_size, jnp.int32)
-    chunk = min(ctx, 512)
+    chunk = 1 if ctx <= 32 else 512  # tiny runs prefill with the decode step itself: one compile
     kinds = [("bf16", "bf16", {}, None), ("tq 4/4 haar", "tq", dict(key_bits=4, value_bits=4), "xla"),
              ("tq 4/4 haar", "tq", dict(key_bits=4, value_bits=4), "pallas_gpu"),
              ("tq K4V3 hadamard", "tq", dict(key_bits=4, value_bits=3, rotation="hadamard"), "xla"),
              ("tq K4V3 hadamard", "tq", dict(key_bits=4, value_bits=3, rotation="hadamard"), "pallas_gpu")]
+    kinds = kinds[: sizes.model_kinds]
     bf16_ms = None
-    prefilled = {}
+    prefilled, plain = {}, jax.jit(make_step(cfg), donate_argnums=1)  # plain: kvcache.attend's default (xla)
     for label, kind, ckw, impl in kinds:
         key = (kind, tuple(sorted(ckw.items())))
-        if key not in prefilled:  # prefill in chunks with the default (XLA) attend; not timed
+        if key not in prefilled:  # prefill with the default (XLA) attend; not timed
             cache = init_cache(cfg, kind, b, cap, **ckw)
-            prefill = jax.jit(make_step(cfg), donate_argnums=1)
             for i in range(0, ctx, chunk):
-                _, cache = prefill(params, cache, prompt[:, i : i + chunk])
+                _, cache = plain(params, cache, prompt[:, i : i + chunk])
             prefilled[key] = _ready(cache)
         cache = jax.tree.map(jnp.copy, prefilled[key])
         calls = []
-        with attend_impl(impl, calls) if impl else contextlib.nullcontext():
-            decode = jax.jit(make_step(cfg), donate_argnums=1)
+        routed = impl not in (None, "xla")
+        with attend_impl(impl, calls) if routed else contextlib.nullcontext():
+            decode = jax.jit(make_step(cfg), donate_argnums=1) if routed else plain
             tok = prompt[:, -1:]
             logits, cache = decode(params, cache, tok)  # compile, warm-up
             _ready(logits)
-        if impl and not calls:
+        if routed and not calls:
             table.append(("4 model", label, f"attend impl={impl}: not routed (the model binds attend directly)", None, None, None, None))
             continue
         ts = []
@@ -520,7 +525,9 @@ def main(argv=None) -> int:
     try:
         if 1 in steps:
             print("step 1: correctness", flush=True)
-            checks = step_correctness(dev, args.keep_going)
+            t0 = time.perf_counter()
+            checks = step_correctness(dev, sizes, args.keep_going)
+            print(f"step 1: {time.perf_counter() - t0:.0f} s", flush=True)
         for s in sorted(steps - {1}):
             print(f"step {s}", flush=True)
             t0 = time.perf_counter()
