@@ -37,7 +37,6 @@ import dataclasses
 import functools
 import importlib
 import importlib.util
-import inspect
 import math
 import platform
 import re
@@ -256,8 +255,6 @@ def step_codec(dev, sizes: Sizes, table: list):
             table.append(("2 codec", f"{shape_name} {name}", "dumps(jax.Array)", ms, gibs(nbytes, ms), ms / copy_ms, None))
             ms = median_ms(lambda: tq_jax.loads(blob, device=dev), max(2, sizes.reps // 3))
             table.append(("2 codec", f"{shape_name} {name}", "loads(device=d)", ms, gibs(nbytes, ms), ms / copy_ms, None))
-            del blob
-        del xd
 
 
 # --------------------------------------------------------------------------- step 3: attend
@@ -305,9 +302,7 @@ def step_attend(sizes: Sizes, table: list):
         table.append(("3 attend", f"{t} tokens", "dense bf16: jax.nn.dot_product_attention", dpa_ms, gibs(dense_bytes, dpa_ms), None, 1.0))
         qh = q.reshape(b, h, g, d)
         kt, vt = kd.transpose(0, 2, 1, 3), vd.transpose(0, 2, 1, 3)
-        del kd, vd
         ein_ms = median_ms(lambda: dense_einsum(qh, kt, vt), sizes.reps)
-        del kt, vt
         table.append(("3 attend", f"{t} tokens", "dense bf16: einsum", ein_ms, gibs(dense_bytes, ein_ms), None, ein_ms / dpa_ms))
         best = min(dpa_ms, ein_ms)
         for kb, vb in ATTEND_BITS:
@@ -333,7 +328,6 @@ def step_attend(sizes: Sizes, table: list):
                     continue
                 table.append(("3 attend", f"{t} tokens K{kb}V{vb}", name, ms, gibs(cbytes, ms), None, ms / best))
                 print(f"  {t} K{kb}V{vb} {name}: {ms:.3f} ms ({ms / best:.2f}x best dense bf16)", flush=True)
-            del cache
 
 
 # --------------------------------------------------------------------------- step 4: model
