@@ -17,19 +17,26 @@ if TYPE_CHECKING:  # annotations only; jaxtyping is not a runtime dependency
 
 __all__ = ["attend", "IMPLS"]
 
-IMPLS = ("xla", "pallas")
+IMPLS = ("xla", "pallas", "pallas_tpu", "pallas_gpu")
 
 
 def _attend_impl(cache: KVCache, q, impl: str = "xla"):
     query = _scoring.query(cache, q)
-    if impl == "pallas":
-        from tq_jax.kvcache import pallas_tpu  # Pallas loads only when asked for
+    backend = jax.default_backend()
+    if impl == "pallas":  # the Pallas kernel written for the backend at hand (docs/accelerator.md)
+        impl = "pallas_gpu" if backend == "gpu" else "pallas_tpu"
+    interpret = backend == "cpu"  # the Pallas interpreter: correct, slow, for tests
+    if impl == "pallas_gpu":
+        from tq_jax.kvcache import pallas_gpu  # Pallas loads only when asked for
 
-        m, l, acc = pallas_tpu.partial(cache, query, interpret=jax.default_backend() == "cpu")
+        m, l, acc = pallas_gpu.partial(cache, query, interpret=interpret)
+    elif impl == "pallas_tpu":
+        from tq_jax.kvcache import pallas_tpu
+
+        m, l, acc = pallas_tpu.partial(cache, query, interpret=interpret)
     else:
         m, l, acc = _xla.partial(cache, query)
-    exact = _exact.partial(cache, q, query) if cache.config.exact else None
-    return _scoring.finish(cache, q, acc, l, m, exact)
+    return _exact.finish(cache, q, query, m, l, acc)
 
 
 _attend_jit = jax.jit(_attend_impl, static_argnames="impl")
@@ -56,10 +63,12 @@ def attend(cache: KVCache, q, *, impl: str = "xla") -> "Float[Array, 'batch q_le
     Args:
         cache: the cache.
         q: ``[batch, q_len, q_heads, head_dim]``, ``q_heads`` a multiple of kv_heads.
-        impl: ``"xla"`` (the default everywhere: a ``fori_loop`` over blocks of XLA ops)
-            or ``"pallas"`` (one Pallas kernel over the pages, ``tq_jax.kvcache.pallas_tpu``;
-            run by the Pallas interpreter on CPU, which is correct but slow; it has not
-            been timed on an accelerator, so it is not the default there either).
+        impl: ``"xla"`` (the default everywhere: a ``fori_loop`` over blocks of XLA ops),
+            ``"pallas_gpu"`` (one Pallas/Triton kernel, ``tq_jax.kvcache.pallas_gpu``),
+            ``"pallas_tpu"`` (one Pallas kernel with a TPU grid spec,
+            ``tq_jax.kvcache.pallas_tpu``) or ``"pallas"`` (the GPU kernel on a GPU, the TPU
+            one elsewhere). On CPU the Pallas kernels run in the Pallas interpreter
+            (correct but slow). docs/accelerator.md says which runs where and why.
 
     Returns:
         ``[batch, q_len, q_heads, head_dim]`` in ``q``'s dtype.
@@ -69,7 +78,9 @@ def attend(cache: KVCache, q, *, impl: str = "xla") -> "Float[Array, 'batch q_le
     """
     cfg = cache.config
     if impl not in IMPLS:
-        raise ValueError(f"`impl` must be one of {IMPLS}, got {impl!r}: the XLA loop or the Pallas kernel.")
+        raise ValueError(
+            f"`impl` must be one of {IMPLS}, got {impl!r}: the XLA loop, or a Pallas kernel (docs/accelerator.md)."
+        )
     q = jnp.asarray(q) if not isinstance(q, jax.Array) else q
     batch, heads = cache.lengths.shape[0], cache.k_codes.shape[2]
     if q.ndim != 4 or q.shape[0] != batch or q.shape[1] < 1:
