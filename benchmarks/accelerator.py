@@ -156,7 +156,8 @@ def dense_attention(q, k, v):
 
 def filled_cache(rng, kb, vb, rotation, page_size, group, q_len, dim, heads=2, batch=3, max_len=48):
     """A float32 cache holding ragged random K/V (32, 27, 25 tokens), its per-sequence K/V and a query."""
-    cache = kvcache.init(batch, max_len, heads, dim, kb, vb, rotation, seed=11, page_size=page_size,
+    cache = kvcache.init(batch, max_len, heads, dim, key_bits=kb, value_bits=vb, rotation=rotation, seed=11,
+                         page_size=page_size, window=0,
                          dtype=jnp.float32, block_tokens=16)
     k = rng.standard_normal((batch, 32, heads, dim)).astype(np.float32)
     v = rng.standard_normal((batch, 32, heads, dim)).astype(np.float32)
@@ -262,7 +263,8 @@ def step_codec(dev, sizes: Sizes, table: list):
 
 def random_cache(key, batch, tokens, heads, dim, kb, vb, *, block_tokens=None):
     """A full unpaged cache of ``tokens`` random codes per sequence (norms in 0.5..1.5 x sqrt(dim))."""
-    c = kvcache.init(batch, tokens, heads, dim, kb, vb, "haar", 42, block_tokens=block_tokens)
+    c = kvcache.init(batch, tokens, heads, dim, key_bits=kb, value_bits=vb, rotation="haar", seed=42,
+                     block_tokens=block_tokens)  # the default exact window of the last 128 tokens
     k1, k2, k3, k4 = jax.random.split(key, 4)
     norm = lambda k, s: (jax.random.uniform(k, s, jnp.float32, 0.5, 1.5) * math.sqrt(dim)).astype(jnp.float16)  # noqa: E731
     return dataclasses.replace(

@@ -45,8 +45,8 @@ MATRIX = [
 @pytest.mark.parametrize("rotation,kb,vb,group,page_size,q_len", MATRIX)
 def test_attend_matrix_matches_dense_attention_over_decoded_blob(rotation, kb, vb, group, page_size, q_len):
     rng = np.random.default_rng(kb * 10 + vb + group)
-    cache = kvcache.init(3, 48, H, D, kb, vb, rotation, seed=11, page_size=page_size, dtype=jnp.float32,
-                         block_tokens=16)
+    cache = kvcache.init(3, 48, H, D, key_bits=kb, value_bits=vb, rotation=rotation, seed=11, page_size=page_size, dtype=jnp.float32,
+                         block_tokens=16, window=0)
     cache, ks, vs = fill(cache, rng, first=[16, 11, 16], second=[16, 16, 9])  # ragged: 32, 27, 25
     q = rng.standard_normal((3, q_len, H * group, D)).astype(np.float32)
     out = np.asarray(_attend(cache, q, pallas_gpu.Tuning(block=16, splits=2)))
@@ -57,7 +57,7 @@ def test_attend_matrix_matches_dense_attention_over_decoded_blob(rotation, kb, v
 
 def test_splits_row_tiles_and_both_lookups_agree_with_the_xla_path():
     rng = np.random.default_rng(5)
-    cache = kvcache.init(3, 48, H, D, 4, 3, "hadamard", seed=11, page_size=8, dtype=jnp.float32, block_tokens=16)
+    cache = kvcache.init(3, 48, H, D, key_bits=4, value_bits=3, rotation="hadamard", seed=11, page_size=8, dtype=jnp.float32, block_tokens=16, window=0)
     cache, _, _ = fill(cache, rng, first=[16, 11, 16], second=[16, 16, 9])
     q = rng.standard_normal((3, 24, H * 3, D)).astype(np.float32)  # 72 rows: two row tiles of 64
     ref = np.asarray(kvcache.attend(cache, q, impl="xla"))
@@ -66,32 +66,18 @@ def test_splits_row_tiles_and_both_lookups_agree_with_the_xla_path():
         np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
-@dataclasses.dataclass(frozen=True)
-class _SinkConfig(kvcache.CacheConfig):
-    """A config carrying ``sinks``, the exact-window field the kernel reads when present."""
-
-    sinks: int = 0
-
-
-class _WindowQuery(scoring.Query):
-    """A Query with the window fields ``hi`` and ``sink_lo`` (NamedTuple fields are fixed,
-    so they ride as attributes)."""
-
-
 @pytest.mark.parametrize("page_size", [None, 8])
 def test_partial_returns_the_online_softmax_state_of_the_coded_tokens_only(page_size):
     rng = np.random.default_rng(9)
-    base = kvcache.init(3, 48, H, D, 3, 4, "haar", seed=11, page_size=page_size, dtype=jnp.float32,
-                        block_tokens=16)
+    base = kvcache.init(3, 48, H, D, key_bits=3, value_bits=4, rotation="haar", seed=11, page_size=page_size, dtype=jnp.float32,
+                        block_tokens=16, window=0)
     base, ks, vs = fill(base, rng, first=[16, 11, 16], second=[16, 16, 9])  # 32, 27, 25 tokens
     sinks = 4
-    cache = dataclasses.replace(base, config=_SinkConfig(**dataclasses.asdict(base.config), sinks=sinks))
+    cache = dataclasses.replace(base, config=dataclasses.replace(base.config, sinks=sinks))
     hi = np.array([20, 27, 3], np.int32)  # the last tokens (a window) are not coded; seq 2 keeps only sinks-range
     sink_lo = np.array([2, 0, 1], np.int32)  # tokens sink_lo..sinks-1 are exact sinks, not coded
     q = rng.standard_normal((3, 2, H * 4, D)).astype(np.float32)
-    query = scoring.query(cache, q)
-    query = _WindowQuery(*query)
-    query.hi, query.sink_lo = jnp.asarray(hi), jnp.asarray(sink_lo)
+    query = scoring.query(cache, q)._replace(hi=jnp.asarray(hi), sink_lo=jnp.asarray(sink_lo))
     m, l, acc = pallas_gpu.partial(cache, query, interpret=True, tuning=pallas_gpu.Tuning(block=16, splits=2))
     out = np.asarray(scoring.finish(cache, q, acc, l))
     m, l = np.asarray(m), np.asarray(l)  # [B, H, R], row r = g * q_len + i
@@ -122,7 +108,7 @@ def test_partial_returns_the_online_softmax_state_of_the_coded_tokens_only(page_
     ],
 )
 def test_kernel_lowers_to_triton_ir_for_cuda(kb, vb, rotation, page_size, group, q_len, dim, tuning):
-    cache = kvcache.init(2, 100, 2, dim, kb, vb, rotation, seed=3, page_size=page_size)
+    cache = kvcache.init(2, 100, 2, dim, key_bits=kb, value_bits=vb, rotation=rotation, seed=3, page_size=page_size, window=0)
     q = jax.ShapeDtypeStruct((2, q_len, 2 * group, dim), jnp.bfloat16)
     fn = jax.jit(lambda c, x: pallas_gpu.attend(c, x, interpret=False, tuning=tuning))
     text = fn.trace(cache, q).lower(lowering_platforms=("cuda",)).as_text()
@@ -136,6 +122,6 @@ def test_bad_tuning_and_unsupported_head_dim_are_clear_errors():
         pallas_gpu.Tuning(lookup="table")
     with pytest.raises(ValueError, match="`splits` must be None or an int >= 1, got 0"):
         pallas_gpu.Tuning(splits=0)
-    cache = kvcache.init(1, 16, 1, 96, 4, 4, "haar", seed=3)  # 96 / 2 = 48-wide lanes: not a Triton tile
+    cache = kvcache.init(1, 16, 1, 96, key_bits=4, value_bits=4, rotation="haar", seed=3, window=0)  # 96 / 2 = 48-wide lanes: not a Triton tile
     with pytest.raises(ValueError, match="head_dim=96 .* use impl='xla'"):
         kvcache.attend(cache, np.zeros((1, 1, 1, 96), np.float32), impl="pallas_gpu")
