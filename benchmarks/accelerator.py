@@ -345,7 +345,8 @@ def model_api():
         except ImportError:
             continue
         for name in ("LlamaConfig", "init_cache", "make_step"):
-            found.setdefault(name, getattr(m, name, None))
+            if getattr(m, name, None) is not None:
+                found.setdefault(name, getattr(m, name))
     if not all(found.get(n) for n in ("LlamaConfig", "init_cache", "make_step")):
         spec = importlib.util.spec_from_file_location("llama_jax", ROOT / "benchmarks" / "llama_jax.py")
         m = importlib.util.module_from_spec(spec)
