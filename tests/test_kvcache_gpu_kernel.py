@@ -125,3 +125,17 @@ def test_bad_tuning_and_unsupported_head_dim_are_clear_errors():
     cache = kvcache.init(1, 16, 1, 96, key_bits=4, value_bits=4, rotation="haar", seed=3, window=0)  # 96 / 2 = 48-wide lanes: not a Triton tile
     with pytest.raises(ValueError, match="head_dim=96 .* use impl='xla'"):
         kvcache.attend(cache, np.zeros((1, 1, 1, 96), np.float32), impl="pallas_gpu")
+
+
+def test_auto_impl_is_the_gpu_kernel_on_a_gpu_when_head_dim_tiles(monkeypatch):
+    from tq_jax.kvcache import attention
+
+    tiles = kvcache.init(1, 16, 1, 64, key_bits=4, value_bits=3, window=0)
+    odd = kvcache.init(1, 16, 1, 96, key_bits=4, value_bits=4, window=0)  # 48-wide lanes
+    assert attention.resolve_impl(tiles, "auto") == "xla"  # this CPU
+    assert attention.resolve_impl(tiles, "pallas") == "pallas_tpu"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert attention.resolve_impl(tiles, "auto") == "pallas_gpu"
+    assert attention.resolve_impl(odd, "auto") == "xla"
+    assert attention.resolve_impl(tiles, "pallas") == "pallas_gpu"
+    assert attention.resolve_impl(tiles, "xla") == "xla"

@@ -67,8 +67,10 @@ class Tuning:
         block: tokens per loop step (a power of two >= 16).
         splits: ranges per sequence, one program each (None: about ``TARGET_PROGRAMS``
             programs in all, at most one range per block).
-        lookup: ``"select"`` (a select tree on compile-time constants) or ``"gather"``
-            (loads from the 2**bits-entry table).
+        lookup: ``"gather"`` (loads from the 2**bits-entry table, L1-resident; the
+            default: on an H200 as fast as the select tree at 4 bits and 9.6x faster at 3,
+            benchmarks/results/accelerator_nvidia_h200.md) or ``"select"`` (a select tree
+            on compile-time constants).
         dot: the compiled dots' algorithm: ``"bf16x3"`` and ``"tf32x3"`` run on tensor
             cores at about float32 accuracy, ``"ieee"`` is float32 FMAs (the interpreter
             always computes in float32).
@@ -77,7 +79,7 @@ class Tuning:
 
     block: int = 64
     splits: int | None = None
-    lookup: str = "select"
+    lookup: str = "gather"
     dot: str = "bf16x3"
     num_warps: int = 4
     num_stages: int = 2
