@@ -1,14 +1,12 @@
-"""A small LLaMA forward pass in JAX, SmolLM2-135M-Instruct's GGUF loader, and KV caches.
+"""SmolLM2-135M-Instruct's GGUF loader and a small LLaMA forward pass in JAX.
 
-Benchmark/example code, not part of the ``tq_jax`` library (``import tq_jax`` never
-imports it). Reused by ``benchmarks/smollm2.py`` and ``tests/test_smollm2.py``::
+Example code, not part of the ``tq_jax`` library (``import tq_jax`` never imports it)::
 
-    import llama_jax as lj                                  # with benchmarks/ on sys.path
-    params, cfg, tok = lj.load_smollm2()                    # float32 weights, LlamaConfig, tokenizer
-    logits = lj.forward(params, cfg, tokens)                # [B, T] int32 -> [B, T, vocab] f32, no cache
-    cache = lj.init_cache(cfg, "tq", batch=1, max_len=4096, key_bits=4, value_bits=3)
-    step = lj.make_step(cfg)                                # jit it: donate_argnums=1 (the cache)
-    logits, cache = step(params, cache, tokens)             # append tokens' K/V, attend, next logits
+    from examples.smollm2 import model
+    params, cfg, tok = model.load_smollm2()            # float32 weights, LlamaConfig, tokenizer
+    logits = model.forward(params, cfg, tokens)        # [B, T] int32 -> [B, T, vocab] f32, no cache
+
+The cached step (append to a KV cache, attend over it) is in :mod:`examples.smollm2.caches`.
 
 The architecture is LLaMA's as ``transformers`` implements it (``LlamaForCausalLM``):
 RMSNorm, rotate-half RoPE applied to Q and K, grouped-query attention (query head ``h``
@@ -20,14 +18,6 @@ GGUF stores ``attn_q``/``attn_k`` rows permuted for llama.cpp's interleaved RoPE
 :func:`load_gguf` undoes it exactly as ``transformers``' GGUF loader does
 (``LlamaTensorProcessor._reverse_permute_weights``), so Q/K (and the cached keys) are
 laid out as in the Hugging Face checkpoint.
-
-Caches (a stacked pytree, one slice per layer, scanned over with ``lax.scan``):
-
-* ``"bf16"``: :class:`DenseCache`, K/V stored as bfloat16 (bit patterns in uint16)
-  ``[L, B, max_len, kv_heads, head_dim]``; attention is float32 over the stored
-  (bf16-rounded) K/V, an online softmax over the filled blocks.
-* ``"tq"``: ``tq_jax.kvcache.KVCache`` stacked over layers (same config, same rotation
-  seed in every layer); ``kvcache.append`` then ``kvcache.attend`` on the codes.
 """
 
 from __future__ import annotations
@@ -37,7 +27,7 @@ import functools
 import importlib.util
 import math
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -107,7 +97,13 @@ def load_gguf(path: str | Path, *, tokenizer: bool = True) -> tuple[dict, LlamaC
     Raises:
         ValueError: the file is not a LLaMA-architecture model.
     """
-    import gguf  # bench dependency, imported here so the module imports without it
+    try:
+        import gguf  # imported here so the module imports without it
+    except ModuleNotFoundError as e:
+        raise ModuleNotFoundError(
+            "load_gguf reads the model with the `gguf` package, which is not installed: "
+            'pip install gguf==0.19.0 (or pip install -e ".[test]", whose extra pins it).'
+        ) from e
 
     path = Path(path)
     reader = gguf.GGUFReader(str(path))
@@ -224,8 +220,14 @@ def dense_attention(q, k, v, q_pos, k_pos, k_valid=None):
     return out.reshape(b, n_q, hq, d)
 
 
-def _layer(cfg: LlamaConfig, h, p, positions, attend):
-    """One decoder block; ``attend(q, k, v) -> out`` does the (cached) attention."""
+def decoder_layer(cfg: LlamaConfig, h, p, positions, attend):
+    """One decoder block on hidden states ``h [B, T, hidden]`` at ``positions [B, T]``.
+
+    ``attend(q, k, v) -> (out, extra)`` does the attention (q after RoPE ``[B, T, heads,
+    head_dim]``, k after RoPE and v ``[B, T, kv_heads, head_dim]``); a cached attend
+    appends k/v to its cache and returns the updated cache as ``extra``.
+    Returns ``(h, extra)``.
+    """
     b, t, _ = h.shape
     x = rms_norm(h, p["attn_norm"], cfg.rms_eps)
     q = (x @ p["wq"]).reshape(b, t, cfg.heads, cfg.head_dim)
@@ -239,7 +241,8 @@ def _layer(cfg: LlamaConfig, h, p, positions, attend):
     return h, extra
 
 
-def _logits(params, cfg: LlamaConfig, h):
+def output_logits(params, cfg: LlamaConfig, h):
+    """Final RMSNorm and the output projection (``embed.T`` when tied): float32 logits."""
     h = rms_norm(h, params["norm"], cfg.rms_eps)
     return h @ (params["embed"].T if cfg.tied_embeddings else params["lm_head"])
 
@@ -251,169 +254,7 @@ def forward(params, cfg: LlamaConfig, tokens):
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
 
     def body(h, p):
-        return _layer(cfg, h, p, pos, lambda q, k, v: (dense_attention(q, k, v, pos, pos), None))[0], None
+        return decoder_layer(cfg, h, p, pos, lambda q, k, v: (dense_attention(q, k, v, pos, pos), None))[0], None
 
     h, _ = lax.scan(body, params["embed"][tokens], params["layers"])
-    return _logits(params, cfg, h)
-
-
-# --------------------------------------------------------------------------- caches
-
-
-class DenseCache(NamedTuple):
-    """An uncompressed bfloat16 KV cache for every layer, stacked on axis 0.
-
-    K/V are stored as their bfloat16 bit patterns in uint16 arrays (same bytes as a
-    bfloat16 cache): XLA's CPU backend does not update a bfloat16 buffer in place
-    inside the layer loop (it converts it), which cost ~0.3 s per decode step at 2.5k
-    tokens of capacity; a uint16 buffer is updated in place (~2 ms).
-    """
-
-    k: jax.Array  # uint16 (bfloat16 bits) [L, B, max_len, kv_heads, head_dim]
-    v: jax.Array  # uint16 (bfloat16 bits) [L, B, max_len, kv_heads, head_dim]
-    lengths: jax.Array  # int32 [L, B]
-
-
-DENSE_BLOCK = 256  # tokens per step of the bf16 cache's online softmax (kvcache's default too)
-
-
-def _bf16_bits(x):
-    return lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
-
-
-def _from_bits(x):
-    return lax.bitcast_convert_type(x, jnp.bfloat16).astype(jnp.float32)
-
-
-def _dense_append_attend(cache: DenseCache, layer, q, k, v):
-    """Write ``k``/``v`` at the end of each sequence of layer ``layer``, then attend ``q``
-    (the new tokens) over that layer's cache.
-
-    float32 online softmax over blocks of :data:`DENSE_BLOCK` tokens, only as many
-    blocks as the longest sequence fills (as ``kvcache.attend`` walks its blocks), so a
-    step costs O(length), not O(max_len). Query ``i`` sits at ``lengths - q_len + i``
-    (after the append) and sees the tokens up to itself: ``kvcache.attend``'s semantics.
-    """
-    b, n_q, hq, d = q.shape
-    hkv, cap = cache.k.shape[3], cache.k.shape[2]
-    start = cache.lengths[layer]  # [B]
-    kb, vb = _bf16_bits(k), _bf16_bits(v)
-    ck, cv = cache.k, cache.v
-    for i in range(b):  # in place, one sequence at a time (batch is static and small)
-        at = (layer, i, start[i], 0, 0)
-        ck = lax.dynamic_update_slice(ck, kb[i][None, None], at)
-        cv = lax.dynamic_update_slice(cv, vb[i][None, None], at)
-    lengths = cache.lengths.at[layer].set(jnp.minimum(start + n_q, cap))
-    new = DenseCache(ck, cv, lengths)
-
-    blk = min(DENSE_BLOCK, cap)
-    qg = q.astype(jnp.float32).reshape(b, n_q, hkv, hq // hkv, d) / np.float32(math.sqrt(d))
-    q_pos = lengths[layer][:, None] - n_q + jnp.arange(n_q, dtype=jnp.int32)  # [B, Q]
-
-    def body(j, carry):
-        m, l, acc = carry
-        t0 = jnp.minimum(j * blk, cap - blk)  # a partial last block re-reads earlier tokens: masked
-        kt = _from_bits(lax.dynamic_slice(ck, (layer, 0, t0, 0, 0), (1, b, blk, hkv, d))[0])
-        vt = _from_bits(lax.dynamic_slice(cv, (layer, 0, t0, 0, 0), (1, b, blk, hkv, d))[0])
-        t = t0 + jnp.arange(blk, dtype=jnp.int32)
-        mask = (t[None, None, :] <= q_pos[:, :, None]) & (t[None, None, :] >= j * blk)  # [B, Q, T]
-        s = jnp.einsum("bqhgd,bthd->bhgqt", qg, kt)
-        s = jnp.where(mask[:, None, None], s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.exp(s - m_safe[..., None])
-        alpha = jnp.exp(m - m_safe)
-        l = alpha * l + jnp.sum(p, axis=-1)
-        acc = alpha[..., None] * acc + jnp.einsum("bhgqt,bthd->bhgqd", p, vt)
-        return m_new, l, acc
-
-    g = hq // hkv
-    init = (jnp.full((b, hkv, g, n_q), -jnp.inf), jnp.zeros((b, hkv, g, n_q)), jnp.zeros((b, hkv, g, n_q, d)))
-    n_blocks = (jnp.max(lengths[layer]) + blk - 1) // blk
-    _, l, acc = lax.fori_loop(0, n_blocks, body, init)
-    out = acc / jnp.where(l == 0, 1.0, l)[..., None]
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, n_q, hq, d), new
-
-
-def _tq_append_attend(cache, q, k, v):
-    from tq_jax import kvcache
-
-    cache = kvcache.append(cache, k, v)
-    return kvcache.attend(cache, q), cache
-
-
-def init_cache(
-    cfg: LlamaConfig,
-    kind: str,
-    batch: int,
-    max_len: int,
-    *,
-    key_bits: int = 4,
-    value_bits: int = 4,
-    rotation: str = "haar",
-    seed: int = 42,
-    page_size: int | None = None,
-):
-    """An empty cache for every layer, stacked on a leading layer axis.
-
-    Args:
-        cfg: the model.
-        kind: ``"bf16"`` (:class:`DenseCache`) or ``"tq"`` (``tq_jax.kvcache``).
-        batch, max_len: sequences and capacity.
-        key_bits, value_bits, rotation, seed, page_size: ``kvcache.init``'s, for ``"tq"``.
-    """
-    if kind == "bf16":
-        shape = (cfg.layers, batch, max_len, cfg.kv_heads, cfg.head_dim)
-        return DenseCache(jnp.zeros(shape, jnp.uint16), jnp.zeros(shape, jnp.uint16), jnp.zeros((cfg.layers, batch), jnp.int32))
-    if kind == "tq":
-        from tq_jax import kvcache
-
-        one = kvcache.init(
-            batch, max_len, cfg.kv_heads, cfg.head_dim, key_bits, value_bits, rotation, seed, page_size=page_size
-        )
-        return jax.tree.map(lambda x: jnp.broadcast_to(x, (cfg.layers, *x.shape)).copy(), one)
-    raise ValueError(f"`kind` must be 'bf16' or 'tq', got {kind!r}.")
-
-
-def cache_nbytes(cache) -> int:
-    """Bytes of a cache's array leaves (K/V storage plus lengths / page tables)."""
-    return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(cache))
-
-
-def make_step(cfg: LlamaConfig):
-    """``step(params, cache, tokens) -> (logits, cache)``: append ``tokens [B, T]``
-    (positions continue from the cache's lengths) to every layer's cache, each layer
-    attending over its cache after the append; logits ``[B, T, vocab]`` float32.
-
-    Prefill (T = prompt length), decode (T = 1) and chunked scoring use the same
-    function; jit it with ``donate_argnums=1`` so the cache is updated in place.
-
-    Layers run in one ``lax.scan``. The bf16 cache rides in the scan's carry and each
-    layer writes its new tokens in place; the ``kvcache`` stack is scanned as xs -> ys
-    (one ``KVCache`` per layer, as its API takes), which measured 16 ms against 96 ms
-    for slicing it out of a carry and writing it back (30 layers, 2.5k capacity, CPU).
-    """
-
-    def step(params, cache, tokens):
-        b, t = tokens.shape
-        pos = cache.lengths[0][:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-        h = params["embed"][tokens]
-        if isinstance(cache, DenseCache):
-
-            def body(carry, xs):
-                h, c = carry
-                p, i = xs
-                h, c = _layer(cfg, h, p, pos, lambda q, k, v: _dense_append_attend(c, i, q, k, v))
-                return (h, c), None
-
-            (h, cache), _ = lax.scan(body, (h, cache), (params["layers"], jnp.arange(cfg.layers)))
-        else:
-
-            def body(h, xs):
-                p, c = xs
-                return _layer(cfg, h, p, pos, lambda q, k, v: _tq_append_attend(c, q, k, v))
-
-            h, cache = lax.scan(body, h, (params["layers"], cache))
-        return _logits(params, cfg, h), cache
-
-    return step
+    return output_logits(params, cfg, h)
