@@ -35,8 +35,6 @@ import argparse
 import contextlib
 import dataclasses
 import functools
-import importlib
-import importlib.util
 import math
 import platform
 import re
@@ -336,24 +334,11 @@ def step_attend(sizes: Sizes, table: list):
 
 
 def model_api():
-    """``(LlamaConfig, init_cache, make_step)`` from examples.smollm2 (model / caches) when it
-    exists, else from benchmarks/llama_jax.py loaded by path."""
-    found = {}
-    for mod in ("examples.smollm2.model", "examples.smollm2.caches", "examples.smollm2"):
-        try:
-            m = importlib.import_module(mod)
-        except ImportError:
-            continue
-        for name in ("LlamaConfig", "init_cache", "make_step"):
-            if getattr(m, name, None) is not None:
-                found.setdefault(name, getattr(m, name))
-    if not all(found.get(n) for n in ("LlamaConfig", "init_cache", "make_step")):
-        spec = importlib.util.spec_from_file_location("llama_jax", ROOT / "benchmarks" / "llama_jax.py")
-        m = importlib.util.module_from_spec(spec)
-        sys.modules.setdefault("llama_jax", m)  # its dataclasses look their module up there
-        spec.loader.exec_module(m)
-        found = {n: getattr(m, n) for n in ("LlamaConfig", "init_cache", "make_step")}
-    return found["LlamaConfig"], found["init_cache"], found["make_step"]
+    """``(LlamaConfig, init_cache, make_step)`` of the SmolLM2 example (run from the
+    repository root, where ``examples`` is importable)."""
+    from examples.smollm2 import LlamaConfig, init_cache, make_step
+
+    return LlamaConfig, init_cache, make_step
 
 
 def random_params(cfg, key):
