@@ -20,8 +20,8 @@ no reconnect method and no timeout option (its methods: ``event_fd``, ``submit_b
 It is LMCache's own ``NativeConnectorL2Adapter``, unchanged, over a
 :class:`ReconnectingClient`: a native-client stand-in that forwards each batch to the
 current ``LMCacheRedisClient`` and numbers the batches itself. When a batch completes
-with a connection error (:data:`CONNECTION_ERRORS`; a Redis error reply such as OOM is
-not one), the client is marked lost, and from then on, at most once per
+with a connection error (its text names the socket or the connection:
+:data:`CONNECTION_ERRORS`), the client is marked lost, and from then on, at most once per
 ``reconnect_interval``, it (1) sends ``PING`` on a plain socket (refused at once while
 the server is down); when that is answered, (2) closes the old client, whose batches
 still in flight complete as failed (its ``close`` drops them without a completion),
