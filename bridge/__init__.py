@@ -7,6 +7,7 @@ Modules:
     :mod:`~tq_jax.bridge.schema`: the serde option table (generated from ``tq_jax.Options``).
     :mod:`~tq_jax.bridge.seal`: AES-GCM per tenant around the serde's values (``encrypt``).
     :mod:`~tq_jax.bridge.registry`: builds the serde from a config, ``register``.
+    :mod:`~tq_jax.bridge.reconnect`: the ``resp_reconnect`` L2 adapter (RESP that reconnects).
     :mod:`~tq_jax.bridge.launch`: ``python -m tq_jax.bridge.launch server ...``.
     :mod:`~tq_jax.bridge.plugin`: the ``plugin`` L2 adapter loader (config-only).
     :mod:`~tq_jax.bridge.smoke`: ``python -m tq_jax.bridge.smoke --l2-adapter JSON``.

@@ -39,6 +39,7 @@ from lmcache.v1.distributed.serde import factory as _lmc_factory
 from lmcache.v1.distributed.serde.async_processor import AsyncSerdeProcessor
 
 import tq_jax
+from tq_jax.bridge import reconnect as _reconnect
 from tq_jax.bridge import seal as _seal
 from tq_jax.bridge import serde as _serde
 from tq_jax.bridge.device import resolve_device
@@ -198,7 +199,9 @@ def register(name: str = DEFAULT_NAME, *, aliases: tuple[str, ...] = ALIASES) ->
     no one else holds it; a taken alias is skipped with a log line, so registering the
     reference plugin first keeps the reference under ``"tqai"``. Where LMCache's
     ``register_serde_factory`` accepts a ``size_contract`` (newer LMCache), the serde is
-    declared ``SerdeSizeContract.EXACT``: its estimate is its output size.
+    declared ``SerdeSizeContract.EXACT``: its estimate is its output size. The
+    ``resp_reconnect`` L2 adapter type (:mod:`~tq_jax.bridge.reconnect`) is registered
+    too, once per process.
 
     Args:
         name: the ``"type"`` an L2 adapter's ``serde`` dict uses.
@@ -220,6 +223,7 @@ def register(name: str = DEFAULT_NAME, *, aliases: tuple[str, ...] = ALIASES) ->
             f"serde type {name!r} is already registered by another serde ({holder!r}); register "
             f"tq_jax under another name: tq_jax.bridge.register(name='...')."
         )
+    _reconnect.register_adapter()
     for alias in aliases:
         holder = _registered_factory(alias)
         if holder is None:

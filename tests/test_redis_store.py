@@ -55,13 +55,15 @@ def chunks(n: int, seed: int = 0):
 
 
 class Store:
-    """A StorageManager over the RESP adapter at ``port`` with the tq_jax serde."""
+    """A StorageManager over the RESP adapter at ``port`` with the tq_jax serde
+    (``adapter``: another adapter type and its extra keys, e.g. ``resp_reconnect``)."""
 
-    def __init__(self, port: int, preset: str, **serde) -> None:
+    def __init__(self, port: int, preset: str, adapter: dict | None = None, **serde) -> None:
         register()
         self.serde = {"type": "tq_jax", "preset": preset, **serde}
         self.events = Events()
-        self.sm = build_manager({"type": "resp", "host": "127.0.0.1", "port": port, "serde": self.serde}, l1_gb=L1_GB)
+        spec = {"type": "resp", **(adapter or {}), "host": "127.0.0.1", "port": port, "serde": self.serde}
+        self.sm = build_manager(spec, l1_gb=L1_GB)
         ser, _ = registry.build_serde(registry.parse_options({k: v for k, v in self.serde.items() if k != "type"}))
         self.size = ser.estimate_serialized_size(LAYOUT)
 
@@ -120,8 +122,8 @@ class Store:
 def open_store():
     made = []
 
-    def make(port, preset, **serde):
-        made.append(Store(port, preset, **serde))
+    def make(port, preset, adapter=None, **serde):
+        made.append(Store(port, preset, adapter, **serde))
         return made[-1]
 
     yield make
@@ -267,7 +269,8 @@ def test_server_killed_mid_store_and_restarted_empty(redis_server, open_store, p
     st.drop_l1(keys)
     assert st.get(keys[:4]) == [None] * 4  # lookups miss
     # LMCache 0.5.6's native RESP client does not reconnect: this manager's stores now fail
-    # (reported, not raised). A new StorageManager (an LMCache restart) stores and loads again.
+    # (reported, not raised). A new StorageManager (an LMCache restart) stores and loads again;
+    # the resp_reconnect adapter keeps the same one working (test_resp_reconnect_...).
     assert st.put([okey(0, "after")], chunks(1)) == (0, 1)
     st.close()
     fresh = open_store(redis_server.port, preset)
@@ -358,6 +361,57 @@ def test_server_stalled_then_resumed(redis_server, open_store):  # noqa: F811
     assert r["wrong"] == 0
     st.drop_l1(keys)
     assert [classify(y, decode(v, "turbo-3.5")) for y, v in zip(st.get(keys), values)] == ["correct"] * 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["compat-4bit", "turbo-3.5"])
+def test_resp_reconnect_same_manager_after_restart(redis_server, open_store, preset):  # noqa: F811
+    """``resp_reconnect`` (tq_jax.bridge.reconnect): SIGKILL mid-store, restart empty on the
+    same port, and the SAME StorageManager stores and loads again, loads equal to the
+    stored blobs' decode."""
+    st = open_store(redis_server.port, preset, adapter={"type": "resp_reconnect", "reconnect_interval": 0.2})
+    keys, data = [okey(i, "rc-kill") for i in range(8)], chunks(8, seed=13)
+    since = st.put(keys, data, wait=False)
+    redis_server.kill()
+    ok, failed = st.events.wait_stores(8, 60, since)
+    assert ok + failed == 8  # every store reported, nothing raised
+    redis_server.start()  # empty: persistence is off
+    st.drop_l1(keys)
+    assert st.get(keys[:4]) == [None] * 4  # lookups miss (the first ones may see the dead connection)
+    tries, deadline = 0, time.monotonic() + 20
+    k = [okey(0, "rc-after")]
+    while True:  # a store made before the client is rebuilt fails (reported); then it succeeds
+        tries += 1
+        if st.put(k, chunks(1, seed=14)) == (1, 0):
+            break
+        assert time.monotonic() < deadline, f"the same StorageManager did not store again in 20 s ({tries} tries)"
+        st.drop_l1(k)
+        time.sleep(0.1)
+    more, more_data = [okey(i, "rc-after") for i in range(1, 7)], chunks(6, seed=15)
+    assert st.put(more, more_data) == (6, 0)
+    st.drop_l1(k + more)
+    rc = redis_server.client()
+    values = [rc.get(describe_key(x)) for x in k + more]
+    assert all(v is not None and len(v) == st.size for v in values)
+    got = st.get(k + more)
+    assert [classify(y, decode(v, preset)) for y, v in zip(got, values)] == ["correct"] * 7
+    for x, y in zip(more_data, got[1:]):
+        cos = torch.nn.functional.cosine_similarity(x.float().reshape(-1, 128), y.float().reshape(-1, 128)).mean()
+        assert cos > 0.96  # the chunk stored after the restart, not another
+    print(f"\nresp_reconnect: {tries} store attempt(s) after the restart until the first succeeded")
+    row("resp_reconnect: SIGKILL mid-store, restarted empty, same manager", preset, ["miss"] * 4)
+
+
+def test_resp_reconnect_config_errors():
+    from tq_jax.bridge.reconnect import ReconnectingRESPConfig
+
+    cfg = ReconnectingRESPConfig.from_dict({"host": "127.0.0.1", "port": 6379, "reconnect_interval": 0.5})
+    assert (cfg.reconnect_interval, cfg.probe_timeout, cfg.num_workers) == (0.5, 2.0, 8)
+    for bad in ({"reconnect_interval": 0}, {"probe_timeout": "2"}, {"reconnect_interval": True}):
+        with pytest.raises(ValueError, match="positive number of seconds"):
+            ReconnectingRESPConfig.from_dict({"host": "127.0.0.1", "port": 6379, **bad})
+    with pytest.raises(ValueError, match="port"):
+        ReconnectingRESPConfig.from_dict({"host": "127.0.0.1", "port": -1})
 
 
 # ----------------------------------------------------------------------------- tenants, encrypted
