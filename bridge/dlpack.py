@@ -39,6 +39,7 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "JaxConversion",
     "copy_into",
+    "numpy_dtype",
     "numpy_view",
     "to_jax",
     "to_jax_ex",
@@ -68,6 +69,17 @@ _NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
     torch.int16: np.dtype(np.int16),
     torch.int32: np.dtype(np.int32),
 }
+
+
+
+def numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """The numpy dtype of a zero-copy view of a torch tensor of ``dtype`` (bf16: ml_dtypes).
+
+    Raises:
+        KeyError: ``dtype`` is not one of :data:`SUPPORTED_DTYPES`.
+    """
+    return _NUMPY_DTYPES[dtype]
+
 
 _SUPPORTED_NAMES = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
 _DTYPE_ERROR = (

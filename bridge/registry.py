@@ -34,17 +34,26 @@ import dataclasses
 import inspect
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
 
 from lmcache.v1.distributed.serde import factory as _lmc_factory
 from lmcache.v1.distributed.serde.async_processor import AsyncSerdeProcessor
 
 import tq_jax
-from tq_jax import codebook as _codebook
-from tq_jax import options as _options
-from tq_jax import wire as _wire
+from tq_jax.bridge import reconnect as _reconnect
+from tq_jax.bridge import seal as _seal
 from tq_jax.bridge import serde as _serde
-from tq_jax.options import PRESETS
+from tq_jax.bridge.device import resolve_device
+from tq_jax.bridge.schema import (  # the option table, re-exported: registry.OPTIONS etc.
+    BRIDGE_ONLY,
+    OPTIONS,
+    Option,
+    SerdeOptions,
+    check_values,
+    codec_options_for,
+    option_table,
+    parse_options,
+    serde_options_class,
+)
 
 __all__ = [
     "ALIASES",
@@ -58,6 +67,7 @@ __all__ = [
     "codec_options_for",
     "option_table",
     "serde_options_class",
+    "build_serde",
     "created_message",
     "make_serde_processor",
     "parse_options",
@@ -70,283 +80,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_NAME = "tq_jax"
 ALIASES = ("tqai",)  # the reference plugin's type name: its configs work unchanged
 WIRE_VERSION = 2  # the newest TQ01 version this bridge writes
-MAX_WORKERS = 256
-
-
-# ----------------------------------------------------------------------------- checkers
-
-
-def _type_error(name: str, what: str, value: object) -> TypeError:
-    return TypeError(f"serde option `{name}` must be {what}, got {type(value).__name__} {value!r}.")
-
-
-def _int_in(lo: int, hi: int, why: str = "") -> Callable[[str, object], int]:
-    def check(name: str, value: object) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise _type_error(name, "an int", value)
-        if not lo <= value <= hi:
-            raise ValueError(f"serde option `{name}` must be in {lo}..{hi}, got {value}" + (f": {why}" if why else "."))
-        return value
-
-    return check
-
-
-def _choice(*choices: str, why: str = "") -> Callable[[str, object], str]:
-    def check(name: str, value: object) -> str:
-        if not isinstance(value, str):
-            raise _type_error(name, "a string", value)
-        if value not in choices:
-            raise ValueError(f"serde option `{name}` must be one of {choices}, got {value!r}.{why}")
-        return value
-
-    return check
-
-
-def _flag(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise _type_error(name, "a bool", value)
-    return value
-
-
-def _field_check(f: dataclasses.Field) -> Callable[[str, object], object]:
-    """The bridge's check of an :class:`tq_jax.Options` field, from its type and metadata.
-
-    Bridge errors are TypeError (wrong type) or ValueError (outside the field's values),
-    prefixed ``serde option``; a field without a default (``key_bits``, ``value_bits``)
-    also takes None: ``bits`` fills it.
-    """
-    kind, m = _options.field_type(f), f.metadata
-    values, off = m.get("values"), m.get("off")
-    why = f": {m['why']}" if m.get("why") else "."
-    optional = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-
-    def check(name: str, value: object):
-        if value is None and optional:
-            return None
-        if kind is bool:
-            return _flag(name, value)
-        if kind is int:
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise _type_error(name, "an int", value)
-            if values is not None and value not in values and not (off is not None and value == off):
-                raise ValueError(f"serde option `{name}` must be in {_options.describe_values(values)}, got {value}{why}")
-            return value
-        if kind is str:
-            if not isinstance(value, str):
-                raise _type_error(name, "a string", value)
-            if values is not None and value not in values:
-                raise ValueError(f"serde option `{name}` must be one of {tuple(values)}, got {value!r}{why}")
-            return value
-        return _options.check_field(f, value, name)
-
-    return check
-
-
-def _bits(name: str, value: object) -> int:
-    """The ``bits`` shorthand (both groups' bits)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _type_error(name, "an int", value)
-    if value not in _codebook.BITS_RANGE:
-        raise ValueError(
-            f"serde option `{name}` must be in {_options.describe_values(_codebook.BITS_RANGE)}, got {value}: "
-            f"bits sets the codebook size 2**bits ({', '.join(map(str, _wire.READ_BITS_V1))} stay TQ01 "
-            f"version 1, which the reference plugin reads)."
-        )
-    return value
-
-
-def _norm_dtype(name: str, value: object) -> str:
-    if value == "auto":
-        raise ValueError(_serde.AUTO_NORMS)
-    return _choice(*_serde.NORM_DTYPES)(name, value)
-
-
-def _preset(name: str, value: object):
-    if value is None:
-        return None
-    return _choice(*sorted(PRESETS), why=" Presets are documented in docs/quality.md.")(name, value)
-
-
-def _device(name: str, value: object) -> str:
-    if not isinstance(value, str):
-        raise _type_error(name, "a string", value)
-    _serde.resolve_device(value)  # fails now, at factory time, if the platform is missing
-    return value
-
-
-def _use_qjl(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise _type_error(name, "a bool", value)
-    if value:
-        raise ValueError(
-            "serde option `use_qjl` = true is not supported: tq_jax decodes QJL blobs but does not "
-            "write them, because the QJL residual hurts softmax attention and costs m extra bytes "
-            "per vector. Remove `use_qjl` (or set it to false)."
-        )
-    return value
-
-
-# ----------------------------------------------------------------------------- the option table
-
-
-class Option(NamedTuple):
-    """One row of the serde option table."""
-
-    name: str
-    default: Any
-    check: Callable[[str, object], object]  # validates and canonicalises; raises Type/ValueError
-    help: str
-    version: int = 1  # the TQ01 version that can express the option
-
-
-# Rows that are not tq_jax.Options fields: the layout, the serde's runtime, the
-# reference plugin's keys, and shorthands for bundles of fields. The reference's keys
-# come first in its order (head_dim, bits, seed, max_workers, ...).
-_BRIDGE_FIRST = (
-    Option("head_dim", 128, _int_in(2, _wire.MAX_DENSE_DIM), "vector length; the KV hidden axis is split into heads of this size (MLA: the latent width, e.g. 576)"),
-    Option("bits", 4, _bits, f"bits per coordinate of keys and values, 1..8 ({', '.join(map(str, _wire.READ_BITS_V1))} stay TQ01 v1)"),
-)
-_BRIDGE_V1 = (
-    Option("max_workers", 1, _int_in(1, MAX_WORKERS), "AsyncSerdeProcessor thread-pool size"),
-    Option("device", "cpu", _device, "where the codec runs: cpu, gpu, tpu or auto, optionally :index"),
-    # Accepted so that configs written for the reference plugin work unchanged.
-    Option("use_qjl", False, _use_qjl, "reference-plugin option; only false is supported"),
-    Option("qjl_sketch_size", 64, _int_in(1, _wire.MAX_QJL_SKETCH), "reference-plugin option; ignored while use_qjl is false"),
-)
-_BRIDGE_LAST = (
-    Option("preset", None, _preset, f"a named bundle of the v2 options: {', '.join(sorted(PRESETS))}; explicit keys override it", version=2),
-)
-# Where the bridge narrows an Options field: blob sizes must be known from the layout
-# alone (no norm_dtype "auto"), and LMCache configs give seeds in int32's range.
-_BRIDGE_OVERRIDES = {
-    "seed": dict(check=_int_in(-(2**31), 2**31 - 1, "TQ01 stores the seed as int32.")),
-    "norm_dtype": dict(default="float16", check=_norm_dtype, help="float16 (v1) or float32 (v2, never overflows)"),
-}
-BRIDGE_ONLY = tuple(o.name for o in _BRIDGE_FIRST + _BRIDGE_V1 + _BRIDGE_LAST)
-"""Names of the rows that are not :class:`tq_jax.Options` fields."""
-
-
-def _field_row(f: dataclasses.Field) -> Option:
-    default = None if f.default is dataclasses.MISSING else f.default  # None: from `bits`
-    row = Option(f.name, default, _field_check(f), f.metadata["help"], f.metadata["version"])
-    return row._replace(**_BRIDGE_OVERRIDES.get(f.name, {}))
-
-
-def option_table(options_cls: type = _options.Options) -> tuple[Option, ...]:
-    """The serde option table: one row per field of ``options_cls`` (its metadata gives
-    help, TQ01 version and allowed values) plus the bridge-only rows, version-1 rows
-    first.
-
-    Args:
-        options_cls: :class:`tq_jax.Options`, or a dataclass whose fields carry the same
-            metadata (tests pass one with an extra field).
-    """
-    rows = [_field_row(f) for f in dataclasses.fields(options_cls)]
-    return (
-        *_BRIDGE_FIRST,
-        *(o for o in rows if o.version == 1),
-        *_BRIDGE_V1,
-        *(o for o in rows if o.version != 1),
-        *_BRIDGE_LAST,
-    )
-
-
-def _codec_options(self) -> dict:
-    """The :class:`tq_jax.Options` fields beyond ``bits`` and ``seed`` (None: from ``bits``)."""
-    return {n: getattr(self, n) for n in self._CODEC_NAMES if getattr(self, n) is not None}
-
-
-def serde_options_class(table: tuple[Option, ...], options_cls: type = _options.Options) -> type:
-    """A frozen dataclass with one field per row of ``table`` (its default), in table order."""
-    codec = tuple(f.name for f in dataclasses.fields(options_cls) if f.name != "seed")
-    cls = dataclasses.make_dataclass(
-        "SerdeOptions",
-        [(o.name, Any, dataclasses.field(default=o.default)) for o in table],
-        frozen=True,
-        namespace={
-            "__doc__": "Validated serde options: one field per row of the option table.",
-            "_CODEC_NAMES": codec,
-            "codec_options": _codec_options,
-        },
-    )
-    cls.__module__ = __name__
-    return cls
-
-
-OPTIONS: tuple[Option, ...] = option_table()
-_BY_NAME = {o.name: o for o in OPTIONS}
-SerdeOptions = serde_options_class(OPTIONS)
-SerdeOptions.__doc__ = """Validated serde options (every row of :data:`OPTIONS`), generated from the table."""
-
-
-def check_values(kwargs: Mapping[str, object], table: tuple[Option, ...] = OPTIONS) -> dict:
-    """Each value of ``kwargs`` checked by its row of ``table``.
-
-    Raises:
-        ValueError: an unknown key (the message lists the valid ones, the TQ01 version 2
-            options separately) or a value out of range.
-        TypeError: a value of the wrong type.
-    """
-    by_name = {o.name: o for o in table}
-    unknown = sorted(k for k in kwargs if k not in by_name)
-    if unknown:
-        valid = ", ".join(o.name for o in table if o.version == 1)
-        v2 = ", ".join(o.name for o in table if o.version == 2)
-        raise ValueError(
-            f"unknown tq_jax serde option(s) {', '.join(map(repr, unknown))}. Valid options: "
-            f"{valid}; TQ01 version 2 options: {v2}. Check the spelling in the L2 adapter's "
-            f"\"serde\" dict."
-        )
-    return {key: by_name[key].check(key, value) for key, value in kwargs.items()}
-
-
-def codec_options_for(*, head_dim: int, bits: int, seed: int, **options) -> tq_jax.Options:
-    """The :class:`tq_jax.Options` of a serializer built with these keyword arguments.
-
-    ``head_dim``, ``bits``, ``seed`` and each of ``options`` (an Options field) are
-    checked by their row of :data:`OPTIONS`; Options fields not given take the row's
-    default (``norm_dtype`` "float16": the bridge's blob sizes follow from the layout).
-
-    Raises:
-        TypeError: an unknown keyword (the message lists the valid ones) or a value of
-            the wrong type.
-        ValueError: a value out of range or a combination Options refuses.
-    """
-    codec = SerdeOptions._CODEC_NAMES
-    unknown = sorted(k for k in options if k not in codec)
-    if unknown:
-        raise TypeError(
-            f"TQJaxSerializer got unknown keyword argument(s) {', '.join(map(repr, unknown))}; it takes "
-            f"head_dim, bits, seed, device and the tq_jax.Options fields {', '.join(codec)}."
-        )
-    check_values({"head_dim": head_dim, "bits": bits, "seed": seed, **options})
-    given = {o.name: o.default for o in OPTIONS if o.name in codec and o.default is not None}
-    given.update(options)
-    return tq_jax.Options.make(bits, seed=seed, **{k: v for k, v in given.items() if v is not None})
-
-
-def parse_options(kwargs: Mapping[str, object]) -> SerdeOptions:
-    """Validates an LMCache serde dict (without ``"type"``) against :data:`OPTIONS`.
-
-    Raises:
-        ValueError: an unknown key (the message lists the valid ones), a value out of
-            range, a missing device platform, or a combination :class:`tq_jax.Options`
-            refuses (e.g. ``norm_bits`` with ``norm_dtype="float32"``).
-        TypeError: a value of the wrong type.
-
-    Examples:
-        >>> parse_options({"bits": 3}).bits
-        3
-    """
-    if not isinstance(kwargs, Mapping):
-        raise TypeError(f"serde options must be a dict, got {type(kwargs).__name__}.")
-    values = check_values(kwargs)
-    if values.get("preset"):  # a preset fills what the config does not say explicitly
-        for key, value in PRESETS[values["preset"]].items():
-            values.setdefault(key, value)
-    o = SerdeOptions(**values)
-    tq_jax.Options.make(o.bits, seed=o.seed, **o.codec_options())  # the combination is valid
-    return o
 
 
 def make_serde_processor(kwargs: Mapping[str, object]) -> AsyncSerdeProcessor:
@@ -356,11 +89,35 @@ def make_serde_processor(kwargs: Mapping[str, object]) -> AsyncSerdeProcessor:
         ValueError, TypeError: as :func:`parse_options`.
     """
     o = parse_options(kwargs)
-    device = _serde.resolve_device(o.device)
-    serializer = _serde.TQJaxSerializer(head_dim=o.head_dim, bits=o.bits, seed=o.seed, device=device, **o.codec_options())
-    proc = AsyncSerdeProcessor(serializer, _serde.TQJaxDeserializer(device=device), max_workers=o.max_workers)
-    logger.info("%s", created_message(o, serializer.options, device))
+    serializer, deserializer = build_serde(o)
+    proc = AsyncSerdeProcessor(serializer, deserializer, max_workers=o.max_workers)
+    logger.info("%s", created_message(o, getattr(serializer, "inner", serializer).options, resolve_device(o.device)))
     return proc
+
+
+def build_serde(o: SerdeOptions):
+    """The (serializer, deserializer) pair of validated options.
+
+    Without ``encrypt``: :class:`~tq_jax.bridge.serde.TQJaxSerializer` and its
+    deserializer, key-bound when the options checksum (``bind_key``). With it: both
+    wrapped by :mod:`~tq_jax.bridge.seal` (AES-GCM, the key as associated data, so
+    no key trailer inside).
+
+    Raises:
+        ValueError: the master key file cannot be read or is too short.
+    """
+    device = resolve_device(o.device)
+    sealed = o.encrypt is not None
+    bind = False if sealed else None  # None: follow checksum
+    serializer = _serde.TQJaxSerializer(head_dim=o.head_dim, bits=o.bits, seed=o.seed, device=device, bind_key=bind, **o.codec_options())
+    deserializer = _serde.TQJaxDeserializer(device=device, bind_key=serializer.bind_key)
+    if not sealed:
+        return serializer, deserializer
+    keys = _seal.key_provider(o.encrypt)
+    return (
+        _seal.SealingSerializer(serializer, keys),
+        _seal.OpeningDeserializer(deserializer, keys, serializer.estimate_serialized_size),
+    )
 
 
 def created_message(o: SerdeOptions, options: tq_jax.Options, device) -> str:
@@ -378,6 +135,11 @@ def created_message(o: SerdeOptions, options: tq_jax.Options, device) -> str:
     where = device if isinstance(device, str) else f"{device.platform}:{device.id}"
     fields = {"head_dim": o.head_dim, **dataclasses.asdict(options), "preset": o.preset,
               "max_workers": o.max_workers, "device": where}
+    if o.encrypt is not None:
+        readers = "sealed with AES-GCM: only tq_jax with the same master key opens it"
+        fields["encrypt"] = f"aes-{o.encrypt.aes_bits}-gcm/{o.encrypt.key_provider} (master key file {o.encrypt.master_key_path})"
+    else:
+        fields["key_binding"] = options.checksum  # a key trailer after checksummed blobs
     return (
         f"tq_jax serde created: TQJaxSerializer/TQJaxDeserializer writing TQ01 v{version} ({readers}); "
         f"registered as {', '.join(map(repr, names)) or '(not registered)'}; "
@@ -437,7 +199,9 @@ def register(name: str = DEFAULT_NAME, *, aliases: tuple[str, ...] = ALIASES) ->
     no one else holds it; a taken alias is skipped with a log line, so registering the
     reference plugin first keeps the reference under ``"tqai"``. Where LMCache's
     ``register_serde_factory`` accepts a ``size_contract`` (newer LMCache), the serde is
-    declared ``SerdeSizeContract.EXACT``: its estimate is its output size.
+    declared ``SerdeSizeContract.EXACT``: its estimate is its output size. The
+    ``resp_reconnect`` L2 adapter type (:mod:`~tq_jax.bridge.reconnect`) is registered
+    too, once per process.
 
     Args:
         name: the ``"type"`` an L2 adapter's ``serde`` dict uses.
@@ -459,6 +223,7 @@ def register(name: str = DEFAULT_NAME, *, aliases: tuple[str, ...] = ALIASES) ->
             f"serde type {name!r} is already registered by another serde ({holder!r}); register "
             f"tq_jax under another name: tq_jax.bridge.register(name='...')."
         )
+    _reconnect.register_adapter()
     for alias in aliases:
         holder = _registered_factory(alias)
         if holder is None:

@@ -55,14 +55,14 @@ Where the computation runs
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import math
-import os
-import re
 from typing import NamedTuple
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # see module docstring
+from tq_jax.bridge.device import DEVICE_CHOICES, resolve_device  # sets XLA_PYTHON_CLIENT_PREALLOCATE first
 
-import jax  # noqa: E402
+import jax  # noqa: E402  (after device: see the module docstring)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey  # noqa: E402
@@ -72,31 +72,25 @@ from lmcache.v1.memory_management import MemoryObj  # noqa: E402
 import tq_jax  # noqa: E402
 from tq_jax import wire as _wire  # noqa: E402
 from tq_jax.bridge import dlpack  # noqa: E402
+from tq_jax.bridge.schema import AUTO_NORMS, NORM_DTYPES, codec_options_for  # noqa: E402, F401 (re-exported)
 
 __all__ = [
     "DEVICE_CHOICES",
     "GroupPlan",
+    "KEY_TRAILER_BYTES",
+    "KeyMismatchError",
     "TQJaxDeserializer",
     "TQJaxSerializer",
+    "check_key_trailer",
+    "describe_key",
+    "key_digest",
+    "object_key_bytes",
     "plan_layout",
+    "read_bytes",
+    "write_bytes",
     "resolve_device",
     "stored_shape",
 ]
-
-DEVICE_CHOICES = ("cpu", "gpu", "tpu", "auto")
-"""Values of the ``device`` option; all but ``auto`` may carry an index (``gpu:1``)."""
-
-# The bridge pins the norm dtype (default float16: TQ01 version 1, which the reference
-# reads) so that every blob's size is known from the layout alone: the core's
-# norm_dtype="auto" would switch a blob with a norm above float16's range to float32 norms,
-# 2 bytes per vector longer than the estimate LMCache allocated.
-NORM_DTYPES = tuple(_wire.NORM_DTYPES)
-AUTO_NORMS = (
-    "norm_dtype='auto' is not available in the LMCache serde: it lengthens a blob when a norm "
-    "overflows float16, and LMCache needs every blob to be exactly its estimated size. Use "
-    "'float16' (TQ01 v1, the reference reads it; an overflowing norm fails the store, which "
-    "LMCache treats as a miss) or 'float32' (TQ01 v2, never overflows)."
-)
 
 _TORCH_DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.bfloat16: "bfloat16",
@@ -126,7 +120,7 @@ DST_NOT_UINT8 = (
     "temp MemoryObj sized by estimate_serialized_size). Pass a uint8 MemoryObj as dst."
 )
 DST_TOO_SMALL = (
-    "serialize destination holds {have} bytes but the TQ01 blob(s) for layout {layout} "
+    "serialize destination holds {have} bytes but the stored bytes for layout {layout} "
     "need exactly {need}: allocate dst with estimate_serialized_size(layout) bytes (this "
     "serde's estimate is exact)."
 )
@@ -149,62 +143,6 @@ DST_NOT_FLOAT = (
     "deserialize destination group {group} has dtype {dtype}; decoding writes floats. The "
     "destination must be a bfloat16, float16 or float32 KV MemoryObj."
 )
-NO_SUCH_DEVICE = (
-    "device={spec!r} asks for JAX platform {platform!r}, but this JAX has no such backend "
-    "({why}). Available: {available}. Install the matching jax plugin (e.g. "
-    "jax[cuda12]) or set the serde's device to 'cpu'."
-)
-BAD_DEVICE_INDEX = (
-    "device={spec!r}: JAX platform {platform!r} has {count} device(s), so the index must "
-    "be in 0..{last}."
-)
-BAD_DEVICE_SPEC = (
-    "device must be one of {choices} (optionally with an index, e.g. 'gpu:1'), got "
-    "{spec!r}."
-)
-
-
-# ----------------------------------------------------------------------------- devices
-
-_DEVICE_RE = re.compile(r"^(cpu|gpu|tpu|auto)(?::(\d+))?$")
-
-
-def resolve_device(spec: str = "cpu") -> jax.Device:
-    """Maps the serde's ``device`` option to a JAX device, failing early and clearly.
-
-    Args:
-        spec: ``"cpu"``, ``"gpu"``, ``"tpu"`` or ``"auto"`` (JAX's default backend),
-            optionally followed by ``":index"`` (``"gpu:1"``); case-insensitive.
-
-    Returns:
-        The selected ``jax.Device``.
-
-    Raises:
-        ValueError: the spec is malformed, the platform does not exist in this JAX
-            installation, or the index is out of range.
-
-    Examples:
-        >>> resolve_device("cpu").platform
-        'cpu'
-    """
-    m = _DEVICE_RE.match(spec.strip().lower()) if isinstance(spec, str) else None
-    if m is None or (m.group(1) == "auto" and m.group(2) is not None):
-        raise ValueError(BAD_DEVICE_SPEC.format(choices=DEVICE_CHOICES, spec=spec))
-    platform, index = m.group(1), int(m.group(2) or 0)
-    try:
-        devices = jax.devices() if platform == "auto" else jax.devices(platform)
-    except RuntimeError as e:
-        available = sorted({d.platform for d in jax.devices()})
-        raise ValueError(
-            NO_SUCH_DEVICE.format(spec=spec, platform=platform, why=str(e).split("\n")[0], available=available)
-        ) from None
-    if index >= len(devices):
-        raise ValueError(
-            BAD_DEVICE_INDEX.format(spec=spec, platform=platform, count=len(devices), last=len(devices) - 1)
-        )
-    return devices[index]
-
-
 # ----------------------------------------------------------------------------- layout
 
 
@@ -297,6 +235,108 @@ def _host_bytes(t: torch.Tensor) -> np.ndarray:
     return dlpack.numpy_view(t.contiguous())
 
 
+# ----------------------------------------------------------------------------- key binding
+
+KEY_TRAILER_MAGIC = b"TQK1"
+KEY_DIGEST_BYTES = 16
+KEY_TRAILER_BYTES = len(KEY_TRAILER_MAGIC) + KEY_DIGEST_BYTES
+"""Bytes a key-bound value carries after its blob(s): ``b"TQK1"`` + BLAKE2b-128 of the key."""
+
+
+class KeyMismatchError(ValueError):
+    """A stored value was not written for the key it was read under (or lost its trailer)."""
+
+
+KEY_MISMATCH = (
+    "refused the value read under key {key}: {why}. It was written for another key (values "
+    "swapped or copied between keys, another tenant's entry) or damaged in the store; it is "
+    "reported as a miss and never decoded. Nothing to fix if rare; if every load fails, check "
+    "that all writers use the same checksum preset."
+)
+NOT_CHECKSUMMED = (
+    "refused the value read under key {key}: group {group}'s TQ01 blob has no CRC32 trailer, but "
+    "this serde's preset has checksum=True, so every value it reads must carry one (a value written "
+    "by a serde without checksum, or by another tool). Give all writers of this store the same preset."
+)
+
+
+def object_key_bytes(key: ObjectKey) -> bytes:
+    """A canonical, unambiguous encoding of every field of an ``ObjectKey``.
+
+    Length-prefixed model name, chunk hash and cache salt, and the rank and group as
+    decimal strings, under a fixed prefix; what :func:`key_digest` hashes and what
+    :mod:`~tq_jax.bridge.seal` binds as AES-GCM associated data.
+    """
+    fields = (
+        key.model_name.encode("utf-8"),
+        bytes(key.chunk_hash),
+        str(int(key.kv_rank)).encode(),
+        str(int(key.object_group_id)).encode(),
+        key.cache_salt.encode("utf-8"),
+    )
+    return b"tq_jax ObjectKey v1" + b"".join(len(f).to_bytes(4, "little") + f for f in fields)
+
+
+def key_digest(key: ObjectKey) -> bytes:
+    """BLAKE2b-128 of :func:`object_key_bytes`: the key binding of a checksummed value.
+
+    Not a MAC (anyone may compute it): with the blob's CRC32 it catches values that
+    were damaged, swapped or copied between keys by accident. Against a writer with
+    intent, use the ``encrypt`` option (AES-GCM, the key as associated data).
+    """
+    return hashlib.blake2b(object_key_bytes(key), digest_size=KEY_DIGEST_BYTES).digest()
+
+
+def describe_key(key: ObjectKey) -> str:
+    """A key as LMCache's RESP/fs adapters name it: ``model@rank@group@hash[@salt]``."""
+    base = f"{key.model_name}@{int(key.kv_rank):08x}@{int(key.object_group_id):x}@{bytes(key.chunk_hash).hex()}"
+    return f"{base}@{key.cache_salt}" if key.cache_salt else base
+
+
+def check_key_trailer(trailer: np.ndarray, key: ObjectKey) -> None:
+    """Raises :class:`KeyMismatchError` unless ``trailer`` is ``key``'s trailer."""
+    got = bytes(trailer)
+    if len(got) < KEY_TRAILER_BYTES:
+        raise KeyMismatchError(KEY_MISMATCH.format(key=describe_key(key), why=f"the value ends {KEY_TRAILER_BYTES - len(got)} bytes before its key trailer (truncated)"))
+    if got[: len(KEY_TRAILER_MAGIC)] != KEY_TRAILER_MAGIC:
+        raise KeyMismatchError(KEY_MISMATCH.format(key=describe_key(key), why="the key trailer is missing or damaged"))
+    if not hmac.compare_digest(got[len(KEY_TRAILER_MAGIC) : KEY_TRAILER_BYTES], key_digest(key)):
+        raise KeyMismatchError(KEY_MISMATCH.format(key=describe_key(key), why="the key trailer names another key"))
+
+
+def write_bytes(dst: MemoryObj, need: int, fill, layout: MemoryLayoutDesc | None = None) -> int:
+    """Lets ``fill(out)`` write ``need`` bytes into ``dst``'s uint8 buffer; returns ``need``.
+
+    ``out`` is a numpy view of ``dst`` when it is host memory, else a host buffer copied
+    to ``dst`` afterwards.
+
+    Raises:
+        ValueError: ``dst`` is not uint8 or holds fewer than ``need`` bytes.
+    """
+    out_t = dst.tensor
+    if out_t.dtype != torch.uint8:
+        raise ValueError(DST_NOT_UINT8.format(dtype=out_t.dtype))
+    if out_t.numel() < need:
+        raise ValueError(DST_TOO_SMALL.format(have=out_t.numel(), layout=[list(s) for s in (layout.shapes if layout else dst.get_shapes())], need=need))
+    on_host = out_t.device.type == "cpu"
+    out = dlpack.numpy_view(out_t.reshape(-1)) if on_host else np.empty(need, np.uint8)
+    fill(out[:need])
+    if not on_host:
+        out_t.reshape(-1)[:need].copy_(torch.from_numpy(out))
+    return need
+
+
+def read_bytes(src: MemoryObj) -> np.ndarray:
+    """A 1-D uint8 host view (or copy, off the host) of a byte ``MemoryObj``.
+
+    Raises:
+        ValueError: ``src`` is not uint8.
+    """
+    if src.tensor.dtype != torch.uint8:
+        raise ValueError(SRC_NOT_UINT8.format(dtype=src.tensor.dtype))
+    return _host_bytes(src.tensor)
+
+
 # ----------------------------------------------------------------------------- serde
 
 
@@ -309,7 +349,7 @@ class TQJaxSerializer(Serializer):
     version 2.
 
     The keyword arguments are the codec rows of the bridge's option table
-    (:data:`tq_jax.bridge.registry.OPTIONS`): ``head_dim``, ``bits``, ``seed`` and every
+    (:data:`tq_jax.bridge.schema.OPTIONS`): ``head_dim``, ``bits``, ``seed`` and every
     :class:`tq_jax.Options` field, each checked by its row (same defaults, same errors
     as the LMCache serde dict).
 
@@ -320,6 +360,10 @@ class TQJaxSerializer(Serializer):
         seed: rotation seed (int32 range); readers take it from the blob.
         device: ``"cpu"`` (default), ``"gpu"``, ``"tpu"``, ``"auto"``, optionally
             ``":index"``, or a ``jax.Device``.
+        bind_key: append the key trailer (:data:`KEY_TRAILER_BYTES`) after the blob(s),
+            so that a reader refuses the value under any other key. Default: on when
+            ``checksum`` is (a checksummed value is then bound to its key); version-1
+            values (no checksum) stay the reference plugin's exact bytes.
         **options: :class:`tq_jax.Options` fields: ``key_bits``, ``value_bits`` (slot 0
             / 1 of ``[2, L, T, ...]``; default ``bits``), ``skip_first_layers``,
             ``skip_last_layers``, ``rotation``, ``norm_dtype`` ("float16", the default,
@@ -332,14 +376,13 @@ class TQJaxSerializer(Serializer):
         TypeError: a value of the wrong type, or an unknown keyword.
     """
 
-    def __init__(self, head_dim: int = 128, bits: int = 4, seed: int = 42, device="cpu", **options) -> None:
-        from tq_jax.bridge import registry  # the option table (registry imports this module)
-
-        self.options = registry.codec_options_for(head_dim=head_dim, bits=bits, seed=seed, **options)
+    def __init__(self, head_dim: int = 128, bits: int = 4, seed: int = 42, device="cpu", *, bind_key: bool | None = None, **options) -> None:
+        self.options = codec_options_for(head_dim=head_dim, bits=bits, seed=seed, **options)
         self.head_dim = head_dim
         self.bits = bits
         self.seed = seed
         self.device = device if isinstance(device, jax.Device) else resolve_device(device)
+        self.bind_key = self.options.checksum if bind_key is None else bool(bind_key)
 
     def estimate_serialized_size(self, layout_desc: MemoryLayoutDesc) -> int:
         """Exact byte length of :meth:`serialize`'s output for ``layout_desc``.
@@ -347,15 +390,16 @@ class TQJaxSerializer(Serializer):
         Raises:
             ValueError: the layout cannot be stored (see :func:`plan_layout`).
         """
-        return sum(p.nbytes for p in plan_layout(layout_desc, self.head_dim, self.options))
+        blobs = sum(p.nbytes for p in plan_layout(layout_desc, self.head_dim, self.options))
+        return blobs + (KEY_TRAILER_BYTES if self.bind_key else 0)
 
     def serialize(self, src: MemoryObj, dst: MemoryObj, key: ObjectKey) -> int:
-        """Writes the TQ01 blob(s) of ``src`` into ``dst.tensor``; returns their length.
+        """Writes the TQ01 blob(s) of ``src`` (and the key trailer) into ``dst.tensor``.
 
         Args:
             src: the KV object (any number of groups; bfloat16/float16/float32).
             dst: a uint8 byte buffer of at least ``estimate_serialized_size`` bytes.
-            key: ignored (the encoding does not depend on the key).
+            key: the object's key; bound into the value when ``bind_key``.
 
         Returns:
             Exactly ``estimate_serialized_size(layout of src)``.
@@ -364,16 +408,13 @@ class TQJaxSerializer(Serializer):
             ValueError: unsupported layout, ``dst`` not uint8 or too small, or a vector
                 norm beyond float16's range (``tq_jax.NormOverflowError``).
         """
-        del key
+        layout = _layout_of(src)
+        need = self.estimate_serialized_size(layout)
+        return write_bytes(dst, need, lambda out: self.encode_into(src, out, key), layout)
+
+    def encode_into(self, src: MemoryObj, out: np.ndarray, key: ObjectKey) -> int:
+        """:meth:`serialize` into a host uint8 array ``out`` of at least the estimate."""
         plans = plan_layout(_layout_of(src), self.head_dim, self.options)
-        need = sum(p.nbytes for p in plans)
-        out_t = dst.tensor
-        if out_t.dtype != torch.uint8:
-            raise ValueError(DST_NOT_UINT8.format(dtype=out_t.dtype))
-        if out_t.numel() < need:
-            raise ValueError(DST_TOO_SMALL.format(have=out_t.numel(), layout=[list(p.shape) for p in plans], need=need))
-        on_host = out_t.device.type == "cpu"
-        out = dlpack.numpy_view(out_t.reshape(-1)) if on_host else np.empty(need, np.uint8)
         off = 0
         for g, (t, p) in enumerate(zip(_group_tensors(src), plans)):
             if tuple(t.shape) != p.shape or _TORCH_DTYPE_NAMES.get(t.dtype) != p.dtype:
@@ -388,49 +429,63 @@ class TQJaxSerializer(Serializer):
             if n != p.nbytes:  # the core promises serialized_size; keep LMCache's fs contract safe
                 raise RuntimeError(f"tq_jax.dump_into wrote {n} bytes for group {g}, expected {p.nbytes}")
             off += n
-        if not on_host:
-            out_t.reshape(-1)[:need].copy_(torch.from_numpy(out))
-        return need
+        if self.bind_key:
+            out[off : off + len(KEY_TRAILER_MAGIC)] = np.frombuffer(KEY_TRAILER_MAGIC, np.uint8)
+            out[off + len(KEY_TRAILER_MAGIC) : off + KEY_TRAILER_BYTES] = np.frombuffer(key_digest(key), np.uint8)
+            off += KEY_TRAILER_BYTES
+        return off
 
 
 class TQJaxDeserializer(Deserializer):
     """Decodes TQ01 blobs (ours or the reference's, QJL included) into KV ``MemoryObj``s.
 
-    All codec parameters come from the blob headers; only where to compute is configured.
+    All codec parameters come from the blob headers; only where to compute, and whether
+    values must be bound to their key, is configured.
 
     Args:
         device: as for :class:`TQJaxSerializer`.
+        bind_key: every value must carry CRC32-checked blobs and the trailer of the key
+            it is read under (:class:`KeyMismatchError` otherwise); checked before
+            anything is decoded. Build it like the serializer writing the store.
     """
 
-    def __init__(self, device="cpu") -> None:
+    def __init__(self, device="cpu", *, bind_key: bool = False) -> None:
         self.device = device if isinstance(device, jax.Device) else resolve_device(device)
+        self.bind_key = bool(bind_key)
 
     def deserialize(self, src: MemoryObj, dst: MemoryObj, key: ObjectKey) -> None:
         """Decodes ``src``'s blob(s) into ``dst``'s tensors in place, whatever their float dtype.
 
         Raises:
             tq_jax.WireError: a blob is malformed or shorter than its header declares.
+            KeyMismatchError: ``bind_key`` and the value is not bound to ``key``.
             ValueError: ``src`` is not uint8, or a blob's shape does not match ``dst``.
         """
-        del key
-        src_t = src.tensor
-        if src_t.dtype != torch.uint8:
-            raise ValueError(SRC_NOT_UINT8.format(dtype=src_t.dtype))
-        buf = _host_bytes(src_t)
-        off = 0
-        for g, t in enumerate(_group_tensors(dst)):
+        self.decode_from(read_bytes(src), dst, key)
+
+    def decode_from(self, buf: np.ndarray, dst: MemoryObj, key: ObjectKey) -> None:
+        """:meth:`deserialize` from a host uint8 array holding the stored value."""
+        tensors = _group_tensors(dst)
+        spans, off = [], 0
+        for g, t in enumerate(tensors):  # every header first: nothing is decoded from a refused value
             if t.dtype not in _TORCH_DTYPE_NAMES:
                 raise ValueError(DST_NOT_FLOAT.format(group=g, dtype=t.dtype))
             h = tq_jax.peek_header(buf[off:])
+            if self.bind_key and not h.checksum:
+                raise KeyMismatchError(NOT_CHECKSUMMED.format(key=describe_key(key), group=g))
             n = _blob_nbytes(h)
             _check_shape(h, tuple(t.shape), g)
+            spans.append((off, n))
+            off += n
+        if self.bind_key:
+            check_key_trailer(buf[off : off + KEY_TRAILER_BYTES], key)
+        for t, (off, n) in zip(tensors, spans):
             blob = buf[off : off + n]  # the parser raises TruncatedError if buf is short
             if t.device.type == "cpu" and t.is_contiguous():
                 tq_jax.load_into(blob, dlpack.numpy_view(t), device=self.device)
             else:
-                arr = tq_jax.loads(blob, dtype=dlpack._NUMPY_DTYPES[t.dtype], device=self.device)
+                arr = tq_jax.loads(blob, dtype=dlpack.numpy_dtype(t.dtype), device=self.device)
                 dlpack.copy_into(t, arr)
-            off += n
 
 
 def _blob_nbytes(h: tq_jax.Header) -> int:

@@ -94,20 +94,27 @@ class StoreEvents:
         with self.lock:
             self.prefetch_failed.append(dict(ev.metadata))
 
-    def wait_stores(self, n: int, timeout: float = 120.0) -> tuple[int, int]:
-        """Waits until ``n`` L2 stores have reported; returns (succeeded, failed).
+    def counts(self) -> tuple[int, int]:
+        """(succeeded, failed) L2 stores so far: a baseline for :meth:`wait_stores`."""
+        with self.lock:
+            return self.store_ok, self.store_failed
+
+    def wait_stores(self, n: int, timeout: float = 120.0, since: tuple[int, int] = (0, 0)) -> tuple[int, int]:
+        """Waits until ``n`` L2 stores have reported after ``since`` (a :meth:`counts`
+        snapshot; default: since the bus started); returns (succeeded, failed) among them.
 
         Raises:
             TimeoutError: fewer than ``n`` reported within ``timeout`` seconds.
         """
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            with self.lock:
-                if self.store_ok + self.store_failed >= n:
-                    return self.store_ok, self.store_failed
+            ok, failed = self.counts()
+            ok, failed = ok - since[0], failed - since[1]
+            if ok + failed >= n:
+                return ok, failed
             time.sleep(0.01)
         raise TimeoutError(
-            f"only {self.store_ok + self.store_failed}/{n} L2 stores reported within {timeout:g} s: LMCache "
+            f"only {ok + failed}/{n} L2 stores reported within {timeout:g} s: LMCache "
             f"could not submit the store (see its log above), or the adapter is slow or hung (is its "
             f"backend reachable?); raise --timeout to wait longer."
         )
@@ -172,8 +179,9 @@ def round_trip(sm, events: StoreEvents, keys, data, shape, dtype, *, timeout: fl
         objs[k].tensor.copy_(x)
     views = [objs[k].tensor for k in keys]  # views of the L1 memory, scribbled over below
     t0 = time.perf_counter()
+    since = events.counts()
     sm.finish_write(keys)
-    ok, failed = events.wait_stores(len(keys), timeout)
+    ok, failed = events.wait_stores(len(keys), timeout, since)
     store_s = time.perf_counter() - t0
 
     deleted, deadline = 0, time.monotonic() + 30

@@ -18,6 +18,7 @@ import numpy as np  # noqa: E402
 
 import tq_jax  # noqa: E402
 from tq_jax.bridge import dlpack, register  # noqa: E402
+from tq_jax.bridge.serde import KEY_TRAILER_BYTES  # noqa: E402
 
 from bridge_util import Events, build_manager, key, mean_cosine, store_evict_prefetch  # noqa: E402
 
@@ -99,7 +100,8 @@ def test_fs_round_trip_w1_v2_options(tmp_path, chunks):
                           rotation="hadamard", norm_dtype="float32", norm_correction=True, checksum=True)
     size = opts.serialized_size(STORED, "bfloat16")
     files = sorted(pathlib.Path(tmp_path).rglob("*.data"))
-    assert {f.stat().st_size for f in files} == {size}
+    # A checksummed blob is followed by its key trailer (bound to the key it was stored under).
+    assert {f.stat().st_size for f in files} == {size + KEY_TRAILER_BYTES}
     assert all(tq_jax.peek_header(f.read_bytes()).version == 2 for f in files)
     for x, y in zip(chunks, got):
         # Raw edge layers come back bit-exact; the rest at K 4 / V 3 bits quality.
@@ -128,9 +130,9 @@ def test_fs_round_trip_w1_turbo_presets(tmp_path, chunks, preset):
     opts = tq_jax.Options(**tq_jax.PRESETS[preset])
     size = opts.serialized_size(STORED, "bfloat16")
     files = sorted(pathlib.Path(tmp_path).rglob("*.data"))
-    assert {f.stat().st_size for f in files} == {size}
+    assert {f.stat().st_size for f in files} == {size + KEY_TRAILER_BYTES}  # + the key trailer
     assert 8 * size / (BF16_BYTES / 2) <= {"turbo-3.5": 3.6, "turbo-2.5": 2.6}[preset]  # bits per element
-    blobs = {f.read_bytes() for f in files}
+    blobs = {f.read_bytes()[:size] for f in files}
     assert tq_jax.dumps(dlpack.numpy_view(chunks[0]).reshape(STORED), **tq_jax.PRESETS[preset]) in blobs
     kb, vb = opts.key_bits, opts.value_bits
     for x, y in zip(chunks, got):

@@ -170,7 +170,10 @@ def _data(torch, n, seed=0):
 
 
 def _same(lmc, got, blob: bytes) -> bool:
+    """``got`` equals the decode of the stored value ``blob`` (a checksummed value's key
+    trailer after the TQ01 blob is not part of the blob)."""
     torch = lmc["torch"]
+    blob = blob[: wire.blob_nbytes(wire.peek_header(blob))]
     want = np.asarray(tq_jax.loads(blob)).reshape(SHAPE)
     have = lmc["dlpack"].numpy_view(got.contiguous())
     return bool(np.array_equal(have.view(np.uint16), want.view(np.uint16))) and got.dtype == torch.bfloat16
@@ -218,7 +221,8 @@ def test_corrupted_files_are_misses_or_documented_v1_blind_spots(lmc, tmp_path, 
         assert h.shape == STORED
         hdr = wire.header_nbytes(len(h.shape), h.dtype, h.version)
         idx_off = hdr + 8  # first byte of the indices section
-        nrm_off = idx_off + len(wire.parse(clean[0]).indices[0]) + 8  # first byte of the norms
+        blob0 = clean[0][: wire.blob_nbytes(h)]  # a checksummed value ends with its key trailer
+        nrm_off = idx_off + len(wire.parse(blob0).indices[0]) + 8  # first byte of the norms
         seed_off = 9 if h.version == 1 else 13
 
         def flip(b, off, bit=0):
@@ -235,7 +239,7 @@ def test_corrupted_files_are_misses_or_documented_v1_blind_spots(lmc, tmp_path, 
             6: flip(clean[6], nrm_off + 2 * 1 + 1, 7),  # the sign bit of vector 1's float16 norm
             7: flip(clean[7], seed_off, 0),  # the rotation seed
             8: bytes(len(clean[8])),  # zeroed
-            9: flip(clean[9], len(clean[9]) - 1, 6),  # the last byte (CRC or norms)
+            9: flip(clean[9], len(clean[9]) - 1, 6),  # the last byte (v1: norms; v2: key trailer)
         }
         for i, b in corrupt.items():
             paths[i].write_bytes(b)

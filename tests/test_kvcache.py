@@ -34,7 +34,7 @@ CASES = [
 ]
 
 
-IMPLS = ["xla", "pallas"]  # pallas runs in interpret mode on CPU
+IMPLS = ["xla", "pallas", "pallas_gpu"]  # the Pallas kernels run in interpret mode on CPU
 
 
 @pytest.mark.parametrize("impl", IMPLS)

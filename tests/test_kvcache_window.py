@@ -36,7 +36,7 @@ CASES = [
     pytest.param("hadamard", 4, 2, 3, None, 16, 4, 1, id="hadamard-4/2-gqa3-unpaged-w16-s4-q1"),
     pytest.param("hadamard", 3, 3, 1, 16, 0, 3, 2, id="hadamard-3/3-gqa1-paged16-sinks-only-q2"),
 ]
-IMPLS = ["xla", "pallas"]  # pallas runs in interpret mode on CPU
+IMPLS = ["xla", "pallas_tpu", "pallas_gpu"]  # the Pallas kernels run in interpret mode on CPU
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -171,7 +171,7 @@ def test_bridge_table_is_the_fields_plus_the_bridge_only_rows(registry):
     assert set(names) == set(FIELDS) | set(registry.BRIDGE_ONLY)
     assert not set(FIELDS) & set(registry.BRIDGE_ONLY)
     assert set(registry.BRIDGE_ONLY) == {"head_dim", "bits", "max_workers", "device", "use_qjl", "qjl_sketch_size",
-                                         "preset"}
+                                         "preset", "encrypt"}
     assert [f.name for f in dataclasses.fields(registry.SerdeOptions)] == names
     rows = {o.name: o for o in registry.OPTIONS}
     for name, f in FIELDS.items():

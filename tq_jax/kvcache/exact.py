@@ -22,7 +22,7 @@ from jax import lax
 from tq_jax.kvcache import scoring as _scoring
 from tq_jax.kvcache.state import KVCache
 
-__all__ = ["partial", "positions"]
+__all__ = ["partial", "positions", "finish"]
 
 _HI = lax.Precision.HIGHEST
 
@@ -62,3 +62,10 @@ def partial(cache: KVCache, q, query: _scoring.Query):
     p = jnp.where(mask, jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m)[..., None]), 0.0)
     v = jnp.where(valid[:, :, None, None], v, 0.0)  # slots never written may hold anything
     return m, jnp.sum(p, axis=-1), jnp.einsum("bhrt,bthd->bhrd", p, v, precision=_HI)
+
+
+def finish(cache: KVCache, q, query: _scoring.Query, m, l, acc):
+    """Attention's output from the coded part's ``(m, l, acc)`` (any kernel's), merged
+    with this module's exact part when the cache holds exact tokens."""
+    exact = partial(cache, q, query) if cache.config.exact else None
+    return _scoring.finish(cache, q, acc, l, m, exact)

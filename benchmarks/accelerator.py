@@ -1,0 +1,552 @@
+"""Accelerator proof (issue 24): correctness on the device, then the codec, the cache's
+decode attention and a SmolLM2-shaped model's decode speed, in one table.
+
+    python benchmarks/accelerator.py                   # whatever accelerator JAX sees; <= 8 min on one GPU
+    python benchmarks/accelerator.py --compile-check   # ~1 min: compile + run the GPU kernel once per config
+    python benchmarks/accelerator.py --cpu-smoke       # tiny sizes, interpreted Pallas, < 1 min (a CI test)
+
+Options: ``--out DIR`` (default benchmarks/results/), ``--commit HASH`` (recorded in the
+result file; default ``git rev-parse HEAD`` when the tree is a git checkout),
+``--steps 1,2,3,4``, ``--keep-going`` (do not stop on a failed correctness check).
+Writes ``<out>/accelerator_<device>.md``: the command, the commit, jax, the device and
+the table.
+
+Steps:
+1. correctness on the device: the device-resident codec path gives the host path's bytes
+   and values; ``kvcache`` append gives ``dumps``' bytes and ``attend`` (XLA and the GPU
+   kernel) equals dense float64 attention over the decoded blob. Stops on a failure.
+2. ``dumps``/``loads`` of a resident ``jax.Array`` (W1 and a 1 GiB tensor; v1 4-bit,
+   turbo-3.5, Hadamard v2 4-bit) in GiB/s of the bf16 tensor, beside a device-to-device
+   copy of the same bytes.
+3. decode ``attend`` (XLA, the Pallas GPU kernel) against dense bf16 attention
+   (``jax.nn.dot_product_attention`` and a plain einsum) at 8k/32k/128k tokens, batch 8,
+   8 KV heads, GQA 4, head_dim 128, 4/4 and K4V3. The cache's codes are random bytes
+   (attention's speed does not depend on their values).
+4. SmolLM2-135M's architecture decoding with a bf16 cache and compressed caches. The
+   weights are random (the GGUF cannot travel to a machine without network, and decode
+   speed does not depend on weight values).
+
+Timing: ``block_until_ready``, the first call (compile) excluded, median of ``--reps``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import math
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import tq_jax
+from tq_jax import kvcache
+from tq_jax.kvcache import pallas_gpu
+
+ROOT = Path(__file__).resolve().parent.parent
+GIB = float(1 << 30)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    codec: tuple  # (name, shape) of bf16 tensors
+    tokens: tuple  # attend's cache lengths
+    batch: int
+    kv_heads: int
+    group: int
+    dim: int
+    reps: int
+    model: dict  # LlamaConfig overrides
+    model_batch: int
+    context: int
+    decode_steps: int
+    kv_cases: int  # step 1's kvcache cases (of KV_CASES)
+    model_kinds: int  # step 4's caches (bf16, 4/4 xla, 4/4 pallas_gpu, K4V3 xla, K4V3 pallas_gpu)
+    variants: bool  # step 3 times the kernel's tuning variants (at the second length)
+
+
+FULL = Sizes(
+    codec=(("W1", (2, 32, 256, 8, 128)), ("1 GiB", (2, 32, 8192, 8, 128))),
+    tokens=(8192, 32768, 131072),
+    batch=8, kv_heads=8, group=4, dim=128, reps=10,
+    model=dict(vocab_size=49152, hidden=576, layers=30, heads=9, kv_heads=3, head_dim=64, ffn=1536),
+    model_batch=8, context=4096, decode_steps=16, kv_cases=4, model_kinds=5, variants=True,
+)
+SMOKE = Sizes(
+    codec=(("W1/64", (2, 2, 16, 2, 128)),),
+    tokens=(64,),
+    batch=2, kv_heads=2, group=4, dim=128, reps=2,
+    model=dict(vocab_size=256, hidden=192, layers=2, heads=3, kv_heads=1, head_dim=64, ffn=128),
+    model_batch=2, context=8, decode_steps=3, kv_cases=2, model_kinds=3, variants=False,
+)
+CODEC_OPTIONS = (
+    ("v1 4-bit", dict(bits=4)),
+    ("turbo-3.5", tq_jax.PRESETS["turbo-3.5"]),
+    ("Hadamard v2 4-bit", dict(bits=4, rotation="hadamard")),
+)
+ATTEND_BITS = ((4, 4), (4, 3))
+
+
+class CheckFailed(RuntimeError):
+    pass
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _ready(x):
+    for leaf in jax.tree_util.tree_leaves(x):
+        if hasattr(leaf, "block_until_ready"):
+            leaf.block_until_ready()
+    return x
+
+
+def median_ms(fn, reps: int) -> float:
+    """Median wall time of ``fn()`` in ms, the first (compiling) call excluded."""
+    _ready(fn())
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        _ready(fn())
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+def gibs(nbytes: int, ms: float) -> float:
+    return nbytes / GIB / (ms / 1e3)
+
+
+def interpret() -> bool:
+    return jax.default_backend() == "cpu"
+
+
+def gpu_attend(cache, q, tuning=pallas_gpu.DEFAULT_TUNING):
+    return _gpu_attend(cache, q, tuning)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _gpu_attend(cache, q, tuning):
+    return pallas_gpu.attend(cache, q, interpret=interpret(), tuning=tuning)
+
+
+def dense_attention(q, k, v):
+    """Causal softmax attention, float64: q [Q, Hq, D] are the last Q positions of k/v [T, H, D]."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    n_q, q_heads, dim = q.shape
+    t, heads = k.shape[:2]
+    s = np.einsum("qhgd,thd->hgqt", q.reshape(n_q, heads, q_heads // heads, dim), k) / np.sqrt(dim)
+    allowed = np.arange(t)[None, :] <= (t - n_q + np.arange(n_q))[:, None]
+    s = np.where(allowed, s, -np.inf)
+    top = np.max(s, axis=-1, keepdims=True)
+    p = np.where(allowed, np.exp(s - np.where(np.isfinite(top), top, 0)), 0)
+    l = p.sum(-1, keepdims=True)
+    return np.einsum("hgqt,thd->qhgd", p / np.where(l == 0, 1, l), v).reshape(n_q, q_heads, dim)
+
+
+def filled_cache(rng, kb, vb, rotation, page_size, group, q_len, dim, heads=2, batch=3, max_len=48):
+    """A float32 cache holding ragged random K/V (32, 27, 25 tokens), its per-sequence K/V and a query."""
+    cache = kvcache.init(batch, max_len, heads, dim, key_bits=kb, value_bits=vb, rotation=rotation, seed=11,
+                         page_size=page_size, window=0,
+                         dtype=jnp.float32, block_tokens=16)
+    k = rng.standard_normal((batch, 32, heads, dim)).astype(np.float32)
+    v = rng.standard_normal((batch, 32, heads, dim)).astype(np.float32)
+    first, second = [16, 11, 16][:batch], [16, 16, 9][:batch]
+    cache = kvcache.append(cache, k[:, :16], v[:, :16], new_lengths=np.array(first))
+    cache = kvcache.append(cache, k[:, 16:], v[:, 16:], new_lengths=np.array(second))
+    ks = [np.concatenate([k[b, : first[b]], k[b, 16 : 16 + second[b]]]) for b in range(batch)]
+    vs = [np.concatenate([v[b, : first[b]], v[b, 16 : 16 + second[b]]]) for b in range(batch)]
+    q = rng.standard_normal((batch, q_len, heads * group, dim)).astype(np.float32)
+    return cache, ks, vs, q
+
+
+def rel_err(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30))
+
+
+# --------------------------------------------------------------------------- step 1: correctness
+
+
+def check_codec(dev) -> list:
+    rows = []
+    x = np.random.default_rng(0).standard_normal((2, 2, 40, 8, 128), np.float32).astype(jnp.bfloat16)
+    xd = jax.device_put(x, dev)
+    for name, kw in CODEC_OPTIONS:
+        opts = tq_jax.Options.make(**kw)
+        host = tq_jax.dumps(x, options=opts)
+        on_dev = tq_jax.dumps(xd, options=opts)
+        same = host == on_dev
+        diff = "" if same else f", {sum(a != b for a, b in zip(host, on_dev))} of {len(host)} bytes differ"
+        rows.append((f"codec {name}: dumps(jax.Array on {dev.platform}) == dumps(numpy)", same, f"{len(host)} B{diff}"))
+        back = tq_jax.loads(host, device=dev)
+        ref = np.asarray(tq_jax.loads(host), np.float32)
+        err = rel_err(np.asarray(back, np.float32), ref)
+        ok = err <= 1e-2 and isinstance(back, jax.Array) and back.devices() == {dev}
+        rows.append((f"codec {name}: loads(device=d) == loads() (bf16 output)", ok, f"max rel err {err:.1e}"))
+    return rows
+
+
+KV_CASES = [  # (rotation, key_bits, value_bits, group, page_size, q_len, dim)
+    ("haar", 4, 4, 4, None, 1, 128),
+    ("hadamard", 4, 3, 4, 16, 1, 128),
+    ("hadamard", 3, 3, 3, 8, 3, 64),
+    ("haar", 2, 4, 1, None, 1, 64),
+]
+
+
+def check_kvcache(n_cases: int) -> list:
+    rows = []
+    rng = np.random.default_rng(1)
+    for rot, kb, vb, group, ps, q_len, dim in KV_CASES[:n_cases]:
+        tag = f"kvcache {rot} {kb}/{vb} gqa{group} {'paged' + str(ps) if ps else 'unpaged'} q{q_len} d{dim}"
+        cache, ks, vs, q = filled_cache(rng, kb, vb, rot, ps, group, q_len, dim)
+        cfg = cache.config
+        kw = dict(bits=kb) if kb == vb else dict(key_bits=kb, value_bits=vb)
+        refs, same = [], True
+        for b in range(len(ks)):
+            blob = tq_jax.dumps(np.stack([ks[b], vs[b]])[:, None], seed=cfg.seed, rotation=rot, **kw)
+            same &= kvcache.export(cache, seq=b) == blob
+            kv = np.asarray(tq_jax.loads(blob, dtype=jnp.float32))
+            refs.append(dense_attention(q[b], kv[0, 0], kv[1, 0]))
+        rows.append((f"{tag}: export == dumps", same, ""))
+        for impl in ("xla", "pallas_gpu"):
+            out = np.asarray(kvcache.attend(cache, q, impl=impl))
+            err = max(rel_err(out[b], refs[b]) for b in range(len(refs)))
+            rows.append((f"{tag}: attend impl={impl} == dense f64 over loads(export)", err <= 1e-3, f"max rel err {err:.1e}"))
+    return rows
+
+
+def step_correctness(dev, sizes: Sizes, keep_going: bool) -> list:
+    rows = check_codec(dev) + check_kvcache(sizes.kv_cases)
+    for name, ok, detail in rows:
+        print(f"  [{'ok' if ok else 'FAIL'}] {name} {detail}", flush=True)
+    bad = [r for r in rows if not r[1]]
+    if bad and not keep_going:
+        raise CheckFailed(f"{len(bad)} correctness check(s) failed on {dev.device_kind}: " + "; ".join(r[0] for r in bad))
+    return rows
+
+
+# --------------------------------------------------------------------------- step 2: codec
+
+
+def step_codec(dev, sizes: Sizes, table: list):
+    copy = jax.jit(jnp.copy)
+    for shape_name, shape in sizes.codec:
+        xd = jax.random.normal(jax.random.key(0), shape, jnp.float32).astype(jnp.bfloat16)
+        xd = jax.device_put(xd, dev)
+        nbytes = xd.size * 2
+        ms = median_ms(lambda: copy(xd), sizes.reps)
+        table.append(("2 codec", f"{shape_name} {list(shape)} bf16", "device-to-device copy", ms, gibs(nbytes, ms), 1.0, None))
+        copy_ms = ms
+        for name, kw in CODEC_OPTIONS:
+            opts = tq_jax.Options.make(**kw)
+            blob = tq_jax.dumps(xd, options=opts)
+            ms = median_ms(lambda: tq_jax.dumps(xd, options=opts), max(2, sizes.reps // 3))
+            table.append(("2 codec", f"{shape_name} {name}", "dumps(jax.Array)", ms, gibs(nbytes, ms), ms / copy_ms, None))
+            ms = median_ms(lambda: tq_jax.loads(blob, device=dev), max(2, sizes.reps // 3))
+            table.append(("2 codec", f"{shape_name} {name}", "loads(device=d)", ms, gibs(nbytes, ms), ms / copy_ms, None))
+
+
+# --------------------------------------------------------------------------- step 3: attend
+
+
+def random_cache(key, batch, tokens, heads, dim, kb, vb, *, block_tokens=None):
+    """A full unpaged cache of ``tokens`` random codes per sequence (norms in 0.5..1.5 x sqrt(dim))."""
+    c = kvcache.init(batch, tokens, heads, dim, key_bits=kb, value_bits=vb, rotation="haar", seed=42,
+                     block_tokens=block_tokens)  # the default exact window of the last 128 tokens
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    norm = lambda k, s: (jax.random.uniform(k, s, jnp.float32, 0.5, 1.5) * math.sqrt(dim)).astype(jnp.float16)  # noqa: E731
+    return dataclasses.replace(
+        c,
+        k_codes=jax.random.bits(k1, c.k_codes.shape, jnp.uint8),
+        v_codes=jax.random.bits(k2, c.v_codes.shape, jnp.uint8),
+        k_norms=norm(k3, c.k_norms.shape),
+        v_norms=norm(k4, c.v_norms.shape),
+        lengths=jnp.full((batch,), tokens, jnp.int32),
+    )
+
+
+@jax.jit
+def dense_einsum(q, k, v):
+    """q [B, H, G, D], k/v [B, H, T, D] bf16: one einsum-softmax-einsum, float32 accumulation."""
+    s = jnp.einsum("bhgd,bhtd->bhgt", q, k, preferred_element_type=jnp.float32) / np.float32(math.sqrt(q.shape[-1]))
+    p = jax.nn.softmax(s, axis=-1).astype(jnp.bfloat16)
+    return jnp.einsum("bhgt,bhtd->bhgd", p, v, preferred_element_type=jnp.float32)
+
+
+dense_dpa = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v))
+
+
+def step_attend(sizes: Sizes, table: list):
+    b, h, g, d = sizes.batch, sizes.kv_heads, sizes.group, sizes.dim
+    copy = jax.jit(jnp.copy)
+    for t in sizes.tokens:
+        key = jax.random.key(t)
+        kq, kk, kv_ = jax.random.split(key, 3)
+        q = jax.random.normal(kq, (b, 1, h * g, d), jnp.bfloat16)
+        dense_bytes = 2 * b * t * h * d * 2
+        kd = jax.random.normal(kk, (b, t, h, d), jnp.bfloat16)
+        vd = jax.random.normal(kv_, (b, t, h, d), jnp.bfloat16)
+        copy_ms = median_ms(lambda: copy(kd), sizes.reps) * 2  # K and V
+        table.append(("3 attend", f"{t} tokens", "copy of the bf16 K/V (device)", copy_ms, gibs(dense_bytes, copy_ms), None, None))
+        dpa_ms = median_ms(lambda: dense_dpa(q, kd, vd), sizes.reps)
+        table.append(("3 attend", f"{t} tokens", "dense bf16: jax.nn.dot_product_attention", dpa_ms, gibs(dense_bytes, dpa_ms), None, 1.0))
+        qh = q.reshape(b, h, g, d)
+        kt, vt = kd.transpose(0, 2, 1, 3), vd.transpose(0, 2, 1, 3)
+        ein_ms = median_ms(lambda: dense_einsum(qh, kt, vt), sizes.reps)
+        table.append(("3 attend", f"{t} tokens", "dense bf16: einsum", ein_ms, gibs(dense_bytes, ein_ms), None, ein_ms / dpa_ms))
+        best = min(dpa_ms, ein_ms)
+        for kb, vb in ATTEND_BITS:
+            cache = random_cache(key, b, t, h, d, kb, vb)
+            cbytes = sum(int(x.size) * x.dtype.itemsize for x in (cache.k_codes, cache.v_codes, cache.k_norms, cache.v_norms))
+            cases = [
+                ("kvcache xla", lambda: kvcache.attend(cache, q, impl="xla")),
+                ("kvcache pallas_gpu", lambda: gpu_attend(cache, q)),
+            ]
+            if sizes.variants and t == sizes.tokens[1]:  # the kernel's variants at 32k
+                for name, tun in (("gather lookup", dict(lookup="gather")), ("block 128", dict(block=128)),
+                                  ("tf32x3 dots", dict(dot="tf32x3")), ("8 warps", dict(num_warps=8))):
+                    tuning = pallas_gpu.Tuning(**tun)
+                    cases.append((f"kvcache pallas_gpu, {name}", lambda tuning=tuning: gpu_attend(cache, q, tuning)))
+                big = dataclasses.replace(cache, config=dataclasses.replace(cache.config, block_tokens=min(512, t)))
+                cases.append(("kvcache xla, block 512", lambda: kvcache.attend(big, q, impl="xla")))
+            for name, fn in cases:
+                try:
+                    ms = median_ms(fn, sizes.reps)
+                except Exception as e:  # a variant that does not compile is a row, not the end of the run
+                    table.append(("3 attend", f"{t} tokens K{kb}V{vb}", f"{name}: FAILED {type(e).__name__}: {str(e)[:200]}",
+                                  None, None, None, None))
+                    continue
+                table.append(("3 attend", f"{t} tokens K{kb}V{vb}", name, ms, gibs(cbytes, ms), None, ms / best))
+                print(f"  {t} K{kb}V{vb} {name}: {ms:.3f} ms ({ms / best:.2f}x best dense bf16)", flush=True)
+
+
+# --------------------------------------------------------------------------- step 4: model
+
+
+def model_api():
+    """``(LlamaConfig, init_cache, make_step)`` of the SmolLM2 example (run from the
+    repository root, where ``examples`` is importable)."""
+    from examples.smollm2 import LlamaConfig, init_cache, make_step
+
+    return LlamaConfig, init_cache, make_step
+
+
+def random_params(cfg, key):
+    d, hd = cfg.hidden, cfg.head_dim
+    shapes = dict(wq=(d, cfg.heads * hd), wk=(d, cfg.kv_heads * hd), wv=(d, cfg.kv_heads * hd), wo=(cfg.heads * hd, d),
+                  w_gate=(d, cfg.ffn), w_up=(d, cfg.ffn), w_down=(cfg.ffn, d))
+    keys = jax.random.split(key, len(shapes) + 1)
+    layers = {n: jax.random.normal(k, (cfg.layers, *s), jnp.float32) * 0.02 for (n, s), k in zip(shapes.items(), keys)}
+    layers["attn_norm"] = jnp.ones((cfg.layers, d), jnp.float32)
+    layers["mlp_norm"] = jnp.ones((cfg.layers, d), jnp.float32)
+    return {"embed": jax.random.normal(keys[-1], (cfg.vocab_size, d), jnp.float32) * 0.02,
+            "norm": jnp.ones((d,), jnp.float32), "layers": layers}
+
+
+@contextlib.contextmanager
+def attend_impl(impl: str, calls: list):
+    """Route the model's ``kvcache.attend(cache, q)`` calls (traced inside) to ``impl``."""
+    orig = kvcache.attend
+
+    def routed(cache, q, **kw):
+        calls.append(impl)
+        return orig(cache, q, **{**kw, "impl": impl})
+
+    kvcache.attend = routed
+    try:
+        yield
+    finally:
+        kvcache.attend = orig
+
+
+def step_model(sizes: Sizes, table: list):
+    LlamaConfig, init_cache, make_step = model_api()
+    names = {f.name for f in dataclasses.fields(LlamaConfig)}
+    kw = dict(rope_theta=100000.0, rms_eps=1e-5, context_length=8192, tied_embeddings=True, **sizes.model)
+    cfg = LlamaConfig(**{k: v for k, v in kw.items() if k in names})
+    params = random_params(cfg, jax.random.key(5))
+    b, ctx, steps = sizes.model_batch, sizes.context, sizes.decode_steps
+    cap = ctx + steps + 8
+    prompt = jax.random.randint(jax.random.key(6), (b, ctx), 0, cfg.vocab_size, jnp.int32)
+    chunk = 1 if ctx <= 32 else 512  # tiny runs prefill with the decode step itself: one compile
+    kinds = [("bf16", "bf16", {}, None), ("tq 4/4 haar", "tq", dict(key_bits=4, value_bits=4), "xla"),
+             ("tq 4/4 haar", "tq", dict(key_bits=4, value_bits=4), "pallas_gpu"),
+             ("tq K4V3 hadamard", "tq", dict(key_bits=4, value_bits=3, rotation="hadamard"), "xla"),
+             ("tq K4V3 hadamard", "tq", dict(key_bits=4, value_bits=3, rotation="hadamard"), "pallas_gpu")]
+    kinds = kinds[: sizes.model_kinds]
+    bf16_ms = None
+    prefilled, plain = {}, jax.jit(make_step(cfg), donate_argnums=1)  # plain: kvcache.attend's default (xla)
+    for label, kind, ckw, impl in kinds:
+        key = (kind, tuple(sorted(ckw.items())))
+        if key not in prefilled:  # prefill with the default (XLA) attend; not timed
+            cache = init_cache(cfg, kind, b, cap, **ckw)
+            for i in range(0, ctx, chunk):
+                _, cache = plain(params, cache, prompt[:, i : i + chunk])
+            prefilled[key] = _ready(cache)
+        cache = jax.tree.map(jnp.copy, prefilled[key])
+        calls = []
+        routed = impl not in (None, "xla")
+        with attend_impl(impl, calls) if routed else contextlib.nullcontext():
+            decode = jax.jit(make_step(cfg), donate_argnums=1) if routed else plain
+            tok = prompt[:, -1:]
+            logits, cache = decode(params, cache, tok)  # compile, warm-up
+            _ready(logits)
+        if routed and not calls:
+            table.append(("4 model", label, f"attend impl={impl}: not routed (the model binds attend directly)", None, None, None, None))
+            continue
+        ts = []
+        for _ in range(steps - 1):
+            tok = jnp.argmax(logits[:, -1:], axis=-1).astype(jnp.int32)
+            t0 = time.perf_counter()
+            logits, cache = decode(params, cache, tok)
+            _ready(logits)
+            ts.append(time.perf_counter() - t0)
+        ms = statistics.median(ts) * 1e3
+        bf16_ms = ms if kind == "bf16" else bf16_ms
+        nbytes = sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(cache))
+        what = f"{label}, attend impl={impl}" if impl else label
+        table.append(("4 model", f"batch {b}, {ctx} tokens of context", f"{what}: {b / (ms / 1e3):.0f} tokens/s, "
+                      f"cache {nbytes / 2**20:.0f} MiB", ms, None, None, ms / bf16_ms if bf16_ms else None))
+        print(f"  {what}: {ms:.2f} ms/step", flush=True)
+        del cache
+
+
+# --------------------------------------------------------------------------- compile check
+
+
+def compile_check() -> bool:
+    """Compile and run the GPU kernel once per configuration and tuning; compare with XLA."""
+    rng = np.random.default_rng(2)
+    ok_all = True
+    tunings = [("default", pallas_gpu.DEFAULT_TUNING)] + [
+        (n, pallas_gpu.Tuning(**kw)) for n, kw in (("gather lookup", dict(lookup="gather")), ("tf32x3 dots", dict(dot="tf32x3")),
+                                                    ("ieee dots", dict(dot="ieee")), ("block 128", dict(block=128)),
+                                                    ("8 warps", dict(num_warps=8)), ("3 splits", dict(splits=3)))
+    ]
+    cases = [(c, tunings if i == 0 else tunings[:1]) for i, c in enumerate(KV_CASES)]
+    cases.append((("haar", 4, 4, 3, None, 40, 64), tunings[:1]))  # 120 rows: two row tiles (a prefill)
+    for (rot, kb, vb, group, ps, q_len, dim), tuns in cases:
+        cache, _, _, q = filled_cache(rng, kb, vb, rot, ps, group, q_len, dim)
+        ref = np.asarray(kvcache.attend(cache, q, impl="xla"))
+        for name, tun in tuns:
+            tag = f"{rot} {kb}/{vb} gqa{group} {'paged' + str(ps) if ps else 'unpaged'} q{q_len} d{dim}, {name}"
+            t0 = time.perf_counter()
+            try:
+                out = np.asarray(gpu_attend(cache, q, tun))
+            except Exception as e:
+                ok_all &= name != "default"
+                print(f"  [FAIL] {tag}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+                continue
+            err = rel_err(out, ref)
+            ok = err <= 1e-3
+            ok_all &= ok or name != "default"
+            print(f"  [{'ok' if ok else 'FAIL'}] {tag}: max rel err vs xla {err:.1e}, compile+run {time.perf_counter() - t0:.1f} s", flush=True)
+    for name, ok, detail in check_codec(jax.devices()[0]):
+        ok_all &= ok
+        print(f"  [{'ok' if ok else 'FAIL'}] {name} {detail}", flush=True)
+    return ok_all
+
+
+# --------------------------------------------------------------------------- main
+
+
+def commit_of(arg: str | None) -> str:
+    if arg:
+        return arg
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                               text=True, check=True).stdout.strip()
+        return head + (" (with uncommitted changes)" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout: pass --commit)"
+
+
+def render(table: list) -> list:
+    lines = ["| step | case | what | ms | GiB/s | x copy | x dense bf16 |", "|---|---|---|---|---|---|---|"]
+    fmt = lambda x, f: "" if x is None else format(x, f)  # noqa: E731
+    for step, case, what, ms, gbs, xcopy, xdense in table:
+        lines.append(f"| {step} | {case} | {what} | {fmt(ms, '.3f')} | {fmt(gbs, '.1f')} | {fmt(xcopy, '.2f')} | {fmt(xdense, '.2f')} |")
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU, interpreted Pallas (a CI test)")
+    ap.add_argument("--compile-check", action="store_true", help="only compile + check the GPU kernel per config")
+    ap.add_argument("--steps", default="1,2,3,4")
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--keep-going", action="store_true")
+    args = ap.parse_args(argv)
+    dev = jax.devices()[0]
+    print(f"jax {jax.__version__} on {dev.device_kind} ({dev.platform}), python {platform.python_version()}", flush=True)
+    if args.compile_check:
+        return 0 if compile_check() else 1
+    if dev.platform == "cpu" and not args.cpu_smoke:
+        print("no accelerator: run with --cpu-smoke for the tiny CPU run", file=sys.stderr)
+        return 2
+    sizes = SMOKE if args.cpu_smoke else FULL
+    if args.reps:
+        sizes = dataclasses.replace(sizes, reps=args.reps)
+    steps = {int(s) for s in args.steps.split(",") if s}
+    table, checks, t_start = [], [], time.perf_counter()
+    step_fns = {2: lambda: step_codec(dev, sizes, table), 3: lambda: step_attend(sizes, table), 4: lambda: step_model(sizes, table)}
+    status = 0
+    try:
+        if 1 in steps:
+            print("step 1: correctness", flush=True)
+            t0 = time.perf_counter()
+            checks = step_correctness(dev, sizes, args.keep_going)
+            print(f"step 1: {time.perf_counter() - t0:.0f} s", flush=True)
+        for s in sorted(steps - {1}):
+            print(f"step {s}", flush=True)
+            t0 = time.perf_counter()
+            step_fns[s]()
+            print(f"step {s}: {time.perf_counter() - t0:.0f} s", flush=True)
+    except CheckFailed as e:
+        print(f"STOPPED: {e}", flush=True)
+        status = 1
+    device = re.sub(r"[^a-z0-9]+", "_", ("cpu_smoke" if args.cpu_smoke else dev.device_kind).lower()).strip("_")
+    lines = [
+        f"# Accelerator proof on {dev.device_kind}",
+        "",
+        f"Command: `python benchmarks/accelerator.py {' '.join(argv if argv is not None else sys.argv[1:])}`  ",
+        f"Commit: {commit_of(args.commit)}  ",
+        f"jax {jax.__version__}, {dev.platform}, python {platform.python_version()}; "
+        f"{time.perf_counter() - t_start:.0f} s in all. Times: median of {sizes.reps} calls after a warm-up call.",
+        "",
+        "Step 1 (correctness on the device): "
+        + (f"{sum(ok for _, ok, _ in checks)} of {len(checks)} checks passed." if checks else "not run.")
+        + ("" if status == 0 else " **Stopped on a failure.**"),
+        "",
+    ]
+    lines += [f"- {'ok' if ok else 'FAIL'}: {name} {detail}" for name, ok, detail in checks if not ok]
+    lines += ["", *render(table), "",
+              "GiB/s: the bytes a case reads (step 2: the bf16 tensor; step 3: the cache's codes and norms, or the "
+              "dense bf16 K/V) per second. x copy: time / a device-to-device copy of the same tensor. x dense bf16: "
+              "time / the faster dense bf16 attention at that length (step 3), or / the bf16 cache's step (step 4). "
+              "Step 3's caches hold random codes; step 4's model is SmolLM2-135M's architecture with random weights "
+              "(decode speed does not depend on the values), prefilled with random tokens."]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"accelerator_{device}.md"
+    path.write_text(text)
+    print(f"wrote {path}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,349 @@
+"""Decode attention over a :mod:`tq_jax.kvcache` cache as one Pallas kernel for GPUs
+(the Triton lowering).
+
+One program per (sequence, KV head, split): it serves the head's whole query group
+(``rows = group * q_len`` rows, padded to a power of two of at least 16 for the tensor
+cores) and walks its share of the sequence's tokens in blocks of ``block`` tokens (a
+``fori_loop`` inside the kernel, as flash-decoding does: Triton programs do not revisit
+output blocks in order, so the online softmax lives in registers, not in resident
+output blocks as in :mod:`~tq_jax.kvcache.pallas_tpu`). The sequence is cut into
+``splits`` equal ranges, one per program, whose online-softmax states are merged by a
+few XLA ops after the call; a program whose range lies past the sequence's end does no
+block.
+
+In a block, each token's pool row is found through the page table (paged and unpaged
+alike: an unpaged sequence owns one page of its whole capacity), the uint8 codes are
+read byte plane by byte plane (byte ``j`` of every byte group of the row: ``[block,
+head_dim / G]``), the index lanes are shifted out of them in registers (lane ``i`` of
+every group, :func:`tq_jax.packing.plane_order`), and the codebook is looked up in
+registers: a select tree on the index bits over the table's compile-time constants (half
+a tree and a sign when the table is symmetric, as the Lloyd–Max tables are), or, with
+``lookup="gather"``, a load from the 2**bits-entry table (a few hundred bytes, L1
+resident). Each lane is scored against its slice of the planar query by one dot
+(``[rows, W] x [W, block]``; a multiply-reduce when a dimension is below Triton's 16),
+norms applied after the dot, masked to the coded part and causally, online softmax; the
+values are accumulated per lane in the rotated domain. No float tensor of a block ever
+leaves the registers.
+
+What the kernel computes is only the *coded* part of attention: token ``t`` of sequence
+``b`` counts iff ``t < hi[b]`` and (``t < sink_lo[b]`` or ``t >= sinks``) and ``t <=
+last[b, r]``. It returns the online-softmax state ``(m, l, acc)`` (running max, sum, and
+the accumulator in the rotated domain, planar value order), which :func:`attend` divides
+and un-rotates with :func:`tq_jax.kvcache.scoring.finish` and which a caller holding an
+exact window can merge with that window's state first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from tq_jax import codec as _codec
+from tq_jax import packing as _packing
+from tq_jax.kvcache import exact as _exact
+from tq_jax.kvcache import scoring as _scoring
+from tq_jax.kvcache.state import KVCache
+
+__all__ = ["attend", "partial", "Tuning", "DEFAULT_TUNING", "LOOKUPS", "DOTS"]
+
+LOOKUPS = ("select", "gather")
+DOTS = ("bf16x3", "tf32x3", "ieee")
+MIN_DOT = 16  # Triton's smallest dot dimension
+ROW_TILE = 64  # query rows per program at most (a decode step has group * q_len of them)
+TARGET_PROGRAMS = 1024  # splits fill about this many programs (a few waves on a ~100-SM GPU)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Static knobs of the kernel (hashable; pass as ``tuning=`` to :func:`partial`).
+
+    Attributes:
+        block: tokens per loop step (a power of two >= 16).
+        splits: ranges per sequence, one program each (None: about ``TARGET_PROGRAMS``
+            programs in all, at most one range per block).
+        lookup: ``"gather"`` (loads from the 2**bits-entry table, L1-resident; the
+            default: on an H200 as fast as the select tree at 4 bits and 9.6x faster at 3,
+            benchmarks/results/accelerator_nvidia_h200.md) or ``"select"`` (a select tree
+            on compile-time constants).
+        dot: the compiled dots' algorithm: ``"bf16x3"`` and ``"tf32x3"`` run on tensor
+            cores at about float32 accuracy, ``"ieee"`` is float32 FMAs (the interpreter
+            always computes in float32).
+        num_warps, num_stages: Triton's.
+    """
+
+    block: int = 64
+    splits: int | None = None
+    lookup: str = "gather"
+    dot: str = "bf16x3"
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        if not isinstance(self.block, int) or self.block < MIN_DOT or self.block & (self.block - 1):
+            raise ValueError(
+                f"`block` must be a power of two >= {MIN_DOT}, got {self.block!r}: Triton tiles are powers of two."
+            )
+        if self.splits is not None and (not isinstance(self.splits, int) or self.splits < 1):
+            raise ValueError(f"`splits` must be None or an int >= 1, got {self.splits!r}: ranges of a sequence.")
+        if self.lookup not in LOOKUPS:
+            raise ValueError(f"`lookup` must be one of {LOOKUPS}, got {self.lookup!r}.")
+        if self.dot not in DOTS:
+            raise ValueError(f"`dot` must be one of {DOTS}, got {self.dot!r}.")
+
+
+DEFAULT_TUNING = Tuning()
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def compiler_params(num_warps: int, num_stages: int):
+    """Triton compiler parameters under whichever name this jax version uses
+    (``CompilerParams`` since jax 0.6, ``TritonCompilerParams`` before). Passing them is
+    also what selects the Triton lowering over Mosaic GPU, the default GPU backend."""
+    try:
+        from jax.experimental.pallas import triton as pltriton
+    except ImportError as e:  # pragma: no cover - a jax without the Triton backend
+        raise RuntimeError(
+            "impl='pallas_gpu' needs Pallas's Triton backend (jax.experimental.pallas.triton), "
+            f"which this jax {jax.__version__} does not have: use impl='xla'."
+        ) from e
+    cls = getattr(pltriton, "CompilerParams", None) or getattr(pltriton, "TritonCompilerParams")
+    return cls(num_warps=num_warps, num_stages=num_stages)
+
+
+# --------------------------------------------------------------------------- in-kernel pieces
+
+
+def _lane(byte_planes, i: int, bits: int):
+    """Index lane ``i`` of every byte group (int32 ``[T, W]``) from the group's byte planes
+    (int32, 0..255): bits ``i*bits ..`` of the group, LSB first, spanning at most two bytes."""
+    first, shift = divmod(i * bits, 8)
+    x = byte_planes[first] >> shift if shift else byte_planes[first]
+    if shift + bits > 8:
+        x = x | (byte_planes[first + 1] << (8 - shift))
+    return x & ((1 << bits) - 1)
+
+
+def _tree(idx, values, bits: int):
+    """``values[idx]`` by a binary select tree on the low ``bits`` bits of ``idx``."""
+    vals = [np.float32(c) for c in values]
+    for b in range(bits):
+        on = (idx & (1 << b)) != 0
+        vals = [jnp.where(on, vals[2 * i + 1], vals[2 * i]) for i in range(len(vals) // 2)]
+    return vals[0]
+
+
+def _select_lookup(idx, centroids: np.ndarray, bits: int):
+    """``centroids[idx]`` in registers. A symmetric table (``c[n-1-i] == -c[i]`` exactly,
+    as Lloyd–Max tables of a symmetric density are) needs half the tree: the top bit is
+    the sign, the mirrored low bits select ``|c|``."""
+    n = 1 << bits
+    if bits > 1 and np.array_equal(centroids[::-1], -centroids):
+        top = idx >= n // 2
+        low = jnp.where(top, (n - 1) - idx, idx)
+        v = _tree(low, centroids[: n // 2], bits - 1)
+        return jnp.where(top, -v, v)
+    return _tree(idx, centroids, bits)
+
+
+def _mm(a, b, *, trans_b: bool, precision):
+    """``a @ b`` (``a @ b.T`` with ``trans_b``) of 2-D float32 tiles: Triton's dot when
+    every dimension is at least 16, else a broadcast multiply-reduce."""
+    bt = b.T if trans_b else b  # only used for the shape check
+    if min(a.shape[0], a.shape[1], bt.shape[1]) >= MIN_DOT:  # lax's dot: pl.dot moves between versions
+        dims = (((1,), (1 if trans_b else 0,)), ((), ()))
+        return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+    if trans_b:  # [M, K] x [N, K] -> [M, N]
+        return jnp.sum(a[:, None, :] * b[None, :, :], axis=2)
+    return jnp.sum(a[:, :, None] * b[None, :, :], axis=1)  # [M, K] x [K, N]
+
+
+def _kernel(hi_ref, lo_ref, table_ref, last_ref, q_ref, kc_ref, kn_ref, vc_ref, vn_ref, *refs, st):
+    """One (sequence, KV head, row tile, split). ``st`` holds the static facts (a dict)."""
+    if st["lookup"] == "gather":
+        ktab_ref, vtab_ref, m_ref, l_ref, acc_ref = refs
+    else:
+        m_ref, l_ref, acc_ref = refs
+    b, h = pl.program_id(0), pl.program_id(1)
+    s = lax.rem(pl.program_id(2), st["splits"])  # axis 2 is (row tile, split)
+    blk, page, pps, chunk, sinks = st["block"], st["page"], st["pps"], st["chunk"], st["sinks"]
+    kbits, vbits, precision = st["kbits"], st["vbits"], st["precision"]
+    hi, sink_lo = hi_ref[b], lo_ref[b]
+    start = s * chunk
+    end = jnp.minimum(start + chunk, hi)
+    n_blocks = jnp.maximum(end - start + (blk - 1), 0) // blk
+    last = last_ref[...]  # [Rp]
+    q = [q_ref[i] for i in range(st["gk"])]  # [Rp, Wk] per key lane
+
+    def lookup(idx, bits, which):
+        if st["lookup"] == "gather":
+            return (ktab_ref if which == "k" else vtab_ref)[idx]
+        return _select_lookup(idx, st["kc"] if which == "k" else st["vc"], bits)
+
+    def lanes(codes_ref, rows, bits, per_group, g):
+        planes = [codes_ref[rows, h, :, j].astype(jnp.int32) & 0xFF for j in range(per_group)]
+        return [_lane(planes, i, bits) for i in range(g)]
+
+    def body(j, carry):
+        m, l, acc = carry
+        tok = start + j * blk + lax.broadcasted_iota(jnp.int32, (blk,), 0)
+        coded = (tok < hi) & ((tok < sink_lo) | (tok >= sinks))  # [T]
+        col = jnp.minimum(lax.div(tok, page), pps - 1)
+        rows = jnp.maximum(table_ref[b, col], 0) * page + lax.rem(tok, page)  # pool rows, in bounds
+        kn = jnp.where(coded, kn_ref[rows, h].astype(jnp.float32), 0.0)
+        vn = jnp.where(coded, vn_ref[rows, h].astype(jnp.float32), 0.0)
+        sc = None
+        for qi, idx in zip(q, lanes(kc_ref, rows, kbits, st["pgk"], st["gk"])):
+            part = _mm(qi, lookup(idx, kbits, "k"), trans_b=True, precision=precision)  # [Rp, T]
+            sc = part if sc is None else sc + part
+        mask = coded[None, :] & (tok[None, :] <= last[:, None])  # [Rp, T]
+        sc = jnp.where(mask, sc * kn[None, :], -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no token seen yet
+        p = jnp.where(mask, jnp.exp(sc - m_safe[:, None]), 0.0)
+        alpha = jnp.exp(m - m_safe)
+        l = alpha * l + jnp.sum(p, axis=1)
+        pv = p * vn[None, :]
+        acc = tuple(
+            alpha[:, None] * a + _mm(pv, lookup(idx, vbits, "v"), trans_b=False, precision=precision)
+            for a, idx in zip(acc, lanes(vc_ref, rows, vbits, st["pgv"], st["gv"]))
+        )
+        return m_new, l, acc
+
+    rp, wv = last.shape[0], st["wv"]
+    init = (
+        jnp.full((rp,), -jnp.inf, jnp.float32),
+        jnp.zeros((rp,), jnp.float32),
+        tuple(jnp.zeros((rp, wv), jnp.float32) for _ in range(st["gv"])),
+    )
+    m, l, acc = lax.fori_loop(0, n_blocks, body, init)
+    m_ref[...] = m
+    l_ref[...] = l
+    for i, a in enumerate(acc):
+        acc_ref[i] = a
+
+
+# --------------------------------------------------------------------------- the call
+
+
+def _splits(tuning: Tuning, programs: int, capacity_blocks: int) -> int:
+    if tuning.splits is not None:
+        return max(1, min(tuning.splits, capacity_blocks))
+    want = -(-TARGET_PROGRAMS // programs)
+    return max(1, min(_pow2(want), capacity_blocks))
+
+
+def partial(cache: KVCache, query: _scoring.Query, *, interpret: bool, tuning: Tuning = DEFAULT_TUNING):
+    """The coded part of attention as online-softmax state ``(m, l, acc)``: ``m``, ``l``
+    float32 ``[B, H, R]`` (``m`` is -inf and ``l`` 0 for a row that sees no coded token),
+    ``acc`` float32 ``[B, H, R, D]`` in the rotated value domain, planar value order.
+
+    The coded part is ``t < hi[b]`` and (``t < sink_lo[b]`` or ``t >= sinks``), and ``t <=
+    query.last[b, r]`` (:func:`tq_jax.kvcache.scoring.coded_mask`; ``hi``, ``sink_lo`` and
+    ``sinks`` are the query's). Traceable; shapes are checked by the caller.
+    """
+    cfg = cache.config
+    batch, heads = cache.lengths.shape[0], cache.k_codes.shape[2]
+    dim = cfg.head_dim
+    rows = query.rows
+    rp = max(MIN_DOT, _pow2(rows))
+    rt = min(rp, ROW_TILE)  # rows per program; more rows (a prefill) take more programs
+    n_rt = rp // rt
+    gk, gv = _packing.plane_count(cfg.key_bits), _packing.plane_count(cfg.value_bits)
+    wk, wv = dim // gk, dim // gv
+    pgk, pgv = gk * cfg.key_bits // 8, gv * cfg.value_bits // 8
+    if wk & (wk - 1) or wv & (wv - 1):
+        raise ValueError(
+            f"impl='pallas_gpu' needs head_dim / plane_count to be a power of two for both widths (Triton "
+            f"tiles), got head_dim={dim} at key_bits={cfg.key_bits}, value_bits={cfg.value_bits}: use impl='xla'."
+        )
+    hi, sink_lo, sinks = query.hi, query.sink_lo, query.sinks
+
+    page = cfg.page_tokens
+    pps = cache.page_table.shape[1]
+    blk = tuning.block
+    capacity_blocks = -(-pps * page // blk)
+    ns = _splits(tuning, batch * heads * n_rt, capacity_blocks)
+    chunk = blk * -(-capacity_blocks // ns)
+
+    # queries: planar key order -> [B, H, gk, Rp, Wk]; padded rows see nothing (last = -1)
+    qp = jnp.concatenate(query.parts, axis=-1) if len(query.parts) > 1 else query.parts[0]
+    qp = qp.reshape(batch, heads, rows, gk, wk).transpose(0, 1, 3, 2, 4)
+    qp = jnp.pad(qp, ((0, 0), (0, 0), (0, 0), (0, rp - rows), (0, 0)))
+    last = jnp.pad(query.last.astype(jnp.int32), ((0, 0), (0, rp - rows)), constant_values=-1)
+    n_rows = cfg.num_pages * page
+    kc = cache.k_codes.reshape(n_rows, heads, wk, pgk)
+    vc = cache.v_codes.reshape(n_rows, heads, wv, pgv)
+    kn = cache.k_norms.reshape(n_rows, heads)
+    vn = cache.v_norms.reshape(n_rows, heads)
+    ktab = np.asarray(_codec.tables(cfg.key_codec).centroids, np.float32)
+    vtab = np.asarray(_codec.tables(cfg.value_codec).centroids, np.float32)
+
+    if interpret:
+        precision = lax.Precision.HIGHEST
+    else:
+        precision = {
+            "bf16x3": lax.DotAlgorithmPreset.BF16_BF16_F32_X3,
+            "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+            "ieee": lax.Precision.HIGHEST,
+        }[tuning.dot]
+    st = dict(
+        block=blk, page=page, pps=pps, chunk=chunk, sinks=sinks, kbits=cfg.key_bits, vbits=cfg.value_bits,
+        gk=gk, gv=gv, pgk=pgk, pgv=pgv, wv=wv, lookup=tuning.lookup, precision=precision, splits=ns,
+        kc=ktab, vc=vtab,
+    )
+    whole = lambda a: pl.BlockSpec(a.shape, lambda b, h, s, n=a.ndim: (0,) * n)  # noqa: E731
+    inputs = [hi.astype(jnp.int32), sink_lo.astype(jnp.int32), cache.page_table, last, qp, kc, kn, vc, vn]
+    in_specs = [whole(a) for a in inputs[:3]] + [
+        pl.BlockSpec((None, rt), lambda b, h, s: (b, s // ns)),
+        pl.BlockSpec((None, None, gk, rt, wk), lambda b, h, s: (b, h, 0, s // ns, 0)),
+    ] + [whole(a) for a in inputs[5:]]
+    if tuning.lookup == "gather":
+        inputs += [jnp.asarray(ktab), jnp.asarray(vtab)]
+        in_specs += [whole(a) for a in inputs[-2:]]
+    out_shape = [
+        jax.ShapeDtypeStruct((batch, heads, ns, rp), jnp.float32),
+        jax.ShapeDtypeStruct((batch, heads, ns, rp), jnp.float32),
+        jax.ShapeDtypeStruct((batch, heads, ns, gv, rp, wv), jnp.float32),
+    ]
+    out_specs = [
+        pl.BlockSpec((None, None, None, rt), lambda b, h, s: (b, h, s % ns, s // ns)),
+        pl.BlockSpec((None, None, None, rt), lambda b, h, s: (b, h, s % ns, s // ns)),
+        pl.BlockSpec((None, None, None, gv, rt, wv), lambda b, h, s: (b, h, s % ns, 0, s // ns, 0)),
+    ]
+    kw = {} if interpret else dict(compiler_params=compiler_params(tuning.num_warps, tuning.num_stages))
+    m, l, acc = pl.pallas_call(
+        functools.partial(_kernel, st=st),
+        grid=(batch, heads, n_rt * ns),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        interpret=interpret,
+        name=f"tq_decode_k{cfg.key_bits}v{cfg.value_bits}",
+        **kw,
+    )(*inputs)
+
+    # merge the splits' states (flash-decoding's last step), then drop the padded rows
+    top = jnp.max(m, axis=2)
+    top_safe = jnp.where(top == -jnp.inf, 0.0, top)
+    w = jnp.exp(m - top_safe[:, :, None])  # [B, H, ns, Rp]; 0 for a split that saw nothing
+    l = jnp.sum(w * l, axis=2)
+    acc = jnp.sum(w[:, :, :, None, :, None] * acc, axis=2)  # [B, H, gv, Rp, Wv]
+    acc = acc.transpose(0, 1, 3, 2, 4).reshape(batch, heads, rp, dim)  # planar value order
+    return top[..., :rows], l[..., :rows], acc[:, :, :rows]
+
+
+def attend(cache: KVCache, q, *, interpret: bool, tuning: Tuning = DEFAULT_TUNING):
+    """:func:`tq_jax.kvcache.attend` with the coded part in this kernel (traceable; shapes
+    checked by the caller)."""
+    query = _scoring.query(cache, q)
+    m, l, acc = partial(cache, query, interpret=interpret, tuning=tuning)
+    return _exact.finish(cache, q, query, m, l, acc)
