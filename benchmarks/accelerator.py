@@ -155,7 +155,7 @@ def dense_attention(q, k, v):
 def filled_cache(rng, kb, vb, rotation, page_size, group, q_len, dim, heads=2, batch=3, max_len=48):
     """A float32 cache holding ragged random K/V (32, 27, 25 tokens), its per-sequence K/V and a query."""
     cache = kvcache.init(batch, max_len, heads, dim, key_bits=kb, value_bits=vb, rotation=rotation, seed=11,
-                         page_size=page_size, window=0,
+                         page_size=page_size, window=0, sinks=0,
                          dtype=jnp.float32, block_tokens=16)
     k = rng.standard_normal((batch, 32, heads, dim)).astype(np.float32)
     v = rng.standard_normal((batch, 32, heads, dim)).astype(np.float32)

@@ -5,7 +5,8 @@ Batch 4, 8 KV heads, GQA 4 (32 query heads), head_dim 128, one query per sequenc
 interleaved in each round after warm-up (compiles excluded), median over rounds:
 
 * ``kvcache.attend`` (``impl="xla"``) on a 4/4-bit Haar cache (codes + float16 norms)
-  with the default exact window (the last 128 tokens also in bf16), and with ``window=0``;
+  with the default exact window (the last 128 tokens and the first 4 also in bf16), and with
+  ``window=0, sinks=0``;
 * dense attention in XLA over a bfloat16 K/V cache laid out ``[B, H, T, D]``: one jitted
   ``einsum`` softmax ``einsum`` with GQA, bf16 operands and float32 accumulation
   (``preferred_element_type``). Of the plain forms measured (this one; bf16 einsums with
@@ -66,7 +67,8 @@ def bench(tokens: int, rounds: int, rng) -> dict:
     chunk = 1024
     caches = {}
     for window in (kvcache.DEFAULT_WINDOW, 0):
-        cache = kvcache.init(B, tokens, H, D, key_bits=4, value_bits=4, rotation="haar", seed=42, window=window)
+        exact = {} if window else dict(window=0, sinks=0)  # the default cache, or every token from codes
+        cache = kvcache.init(B, tokens, H, D, key_bits=4, value_bits=4, rotation="haar", seed=42, **exact)
         for s in range(0, tokens, chunk):  # prefill in chunks: one compiled program
             kc, vc = (jnp.asarray(a[:, s : s + chunk], jnp.bfloat16) for a in (k, v))
             cache = append(cache, kc, vc)
@@ -136,8 +138,8 @@ def main(argv=None) -> None:
         f"(`python benchmarks/bench_kvcache.py`). Ratios are medians of per-round ratios. "
         f"Peak scratch: the compiled program's temp bytes (besides arguments and output). "
         f"`attend (4/4-bit codes)` is the default cache: 4/4 bits and an exact window of the last "
-        f"{kvcache.DEFAULT_WINDOW} tokens (bf16), read in the same online softmax; `attend, window 0` reads "
-        f"every token from codes.",
+        f"{kvcache.DEFAULT_WINDOW} tokens and the first {kvcache.DEFAULT_SINKS} (bf16), read in the same online "
+        f"softmax; `attend, window 0` reads every token from codes.",
         "",
         "| T | " + " | ".join(f"{n} ms" for n in names) + " | attend / dense bf16 | attend / dense f32 "
         "| cache bytes (x bf16) | peak scratch attend / dense bf16 | attend block | cosine vs dense f32 over raw K/V |",

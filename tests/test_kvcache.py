@@ -42,7 +42,7 @@ IMPLS = ["xla", "pallas", "pallas_gpu"]  # the Pallas kernels run in interpret m
 def test_attend_matches_dense_attention_over_decoded_blob(rotation, kb, vb, group, page_size, block, q_len, impl):
     rng = np.random.default_rng(kb * 10 + vb)
     cache = kvcache.init(3, 48, H, D, key_bits=kb, value_bits=vb, rotation=rotation, seed=11, page_size=page_size, dtype=jnp.float32,
-                         block_tokens=block, window=0)
+                         block_tokens=block, window=0, sinks=0)
     # ragged lengths 32, 27, 25 over two appends, several blocks each (one dumps bucket for all)
     cache, ks, vs = fill(cache, rng, first=[16, 11, 16], second=[16, 16, 9])
     lengths = [len(k) for k in ks]
@@ -61,14 +61,14 @@ def test_attend_matches_dense_attention_over_decoded_blob(rotation, kb, vb, grou
 
 def test_export_is_v1_bytes_and_load_round_trip_keeps_attend_bit_identical():
     rng = np.random.default_rng(1)
-    cache = kvcache.init(3, 48, H, D, key_bits=4, value_bits=4, rotation="haar", seed=11, dtype=jnp.float32, block_tokens=16, window=0)
+    cache = kvcache.init(3, 48, H, D, key_bits=4, value_bits=4, rotation="haar", seed=11, dtype=jnp.float32, block_tokens=16, window=0, sinks=0)
     cache, ks, vs = fill(cache, rng, first=[16, 11, 16], second=[16, 16, 9])
     q = rng.standard_normal((3, 1, H, D)).astype(np.float32)
     blobs = [kvcache.export(cache, seq=b) for b in range(3)]
     for b, blob in enumerate(blobs):
         assert tq_jax.peek_header(blob).version == 1  # the reference's format
         assert blob == tq_jax.dumps(np.stack([ks[b], vs[b]])[:, None], bits=4, seed=11)
-    fresh = kvcache.init(3, 48, H, D, key_bits=4, value_bits=4, rotation="haar", seed=11, dtype=jnp.float32, block_tokens=16, window=0)
+    fresh = kvcache.init(3, 48, H, D, key_bits=4, value_bits=4, rotation="haar", seed=11, dtype=jnp.float32, block_tokens=16, window=0, sinks=0)
     for b in (2, 0, 1):
         fresh = kvcache.load(fresh, blobs[b], seq=b)
     assert np.asarray(fresh.lengths).tolist() == [32, 27, 25]
@@ -78,7 +78,7 @@ def test_export_is_v1_bytes_and_load_round_trip_keeps_attend_bit_identical():
 
 def test_paged_pages_allocate_in_order_and_round_trip_page_by_page():
     rng = np.random.default_rng(2)
-    kw = dict(seed=11, page_size=8, dtype=jnp.float32, block_tokens=16, window=0)
+    kw = dict(seed=11, page_size=8, dtype=jnp.float32, block_tokens=16, window=0, sinks=0)
     cache = kvcache.init(3, 48, H, D, key_bits=2, value_bits=3, rotation="haar", **kw)
     cache, ks, vs = fill(cache, rng, first=[16, 3, 16], second=[16, 0, 11])
     table = np.asarray(cache.page_table)
@@ -113,7 +113,7 @@ def test_memory_at_4_bits_is_at_most_0_27_of_bf16():
     bf16 = 2 * 2 * 4096 * 8 * 128 * 2  # K and V, batch 2, 4096 tokens, 8 heads, 128 dims, 2 bytes
     for page_size in (None, 16):
         cache = kvcache.init(batch=2, max_len=4096, kv_heads=8, head_dim=128, key_bits=4, value_bits=4,
-                             rotation="haar", seed=42, page_size=page_size, window=0)
+                             rotation="haar", seed=42, page_size=page_size, window=0, sinks=0)
         leaves = jax.tree_util.tree_leaves(cache)
         measured = sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
         assert measured == kvcache.nbytes(cache)
@@ -136,7 +136,7 @@ def test_jit_donated_append_and_attend_do_not_recompile_as_lengths_grow(impl):
     step_jit = jax.jit(step, donate_argnums=0)
     read_jit = jax.jit(read)
     rng = np.random.default_rng(3)
-    kw = dict(seed=11, page_size=16, dtype=jnp.float32, block_tokens=32, window=0)  # as a case above: compiled once
+    kw = dict(seed=11, page_size=16, dtype=jnp.float32, block_tokens=32, window=0, sinks=0)  # as a case above: compiled once
     cache = kvcache.init(3, 48, H, D, key_bits=4, value_bits=2, rotation="hadamard", **kw)
     k = rng.standard_normal((3, 16, H, D)).astype(np.float32)
     v = rng.standard_normal((3, 16, H, D)).astype(np.float32)
@@ -154,7 +154,7 @@ def test_jit_donated_append_and_attend_do_not_recompile_as_lengths_grow(impl):
 
 def test_jit_append_past_max_len_drops_tokens_and_clamps_length():
     rng = np.random.default_rng(4)
-    cache = kvcache.init(2, 20, H, D, key_bits=4, value_bits=4, rotation="haar", seed=11, dtype=jnp.float32, block_tokens=16, window=0)
+    cache = kvcache.init(2, 20, H, D, key_bits=4, value_bits=4, rotation="haar", seed=11, dtype=jnp.float32, block_tokens=16, window=0, sinks=0)
     k = rng.standard_normal((2, 16, H, D)).astype(np.float32)
     v = rng.standard_normal((2, 16, H, D)).astype(np.float32)
     append = jax.jit(kvcache.append)
@@ -167,7 +167,7 @@ def test_jit_append_past_max_len_drops_tokens_and_clamps_length():
 
 def test_vmap_over_stacked_layer_caches_matches_each_layer():
     rng = np.random.default_rng(5)
-    layers = [kvcache.init(3, 48, H, D, key_bits=4, value_bits=4, rotation="haar", seed=11, dtype=jnp.float32, block_tokens=16, window=0)
+    layers = [kvcache.init(3, 48, H, D, key_bits=4, value_bits=4, rotation="haar", seed=11, dtype=jnp.float32, block_tokens=16, window=0, sinks=0)
               for _ in range(2)]
     k = rng.standard_normal((2, 3, 16, H, D)).astype(np.float32)  # [layer, batch, tokens, H, D]
     v = rng.standard_normal((2, 3, 16, H, D)).astype(np.float32)
@@ -227,7 +227,7 @@ def test_shard_map_over_heads_on_four_devices_matches_one_device(window, sinks):
 
 def test_nan_token_is_stored_as_dumps_stores_it_and_poisons_only_its_readers():
     rng = np.random.default_rng(7)
-    cache = kvcache.init(3, 48, H, D, key_bits=4, value_bits=4, rotation="haar", seed=11, dtype=jnp.float32, block_tokens=16, window=0)
+    cache = kvcache.init(3, 48, H, D, key_bits=4, value_bits=4, rotation="haar", seed=11, dtype=jnp.float32, block_tokens=16, window=0, sinks=0)
     k = rng.standard_normal((3, 16, H, D)).astype(np.float32)
     v = rng.standard_normal((3, 16, H, D)).astype(np.float32)
     k[0, 4, 1, 7] = np.nan
@@ -244,7 +244,7 @@ def test_nan_token_is_stored_as_dumps_stores_it_and_poisons_only_its_readers():
 
 
 def test_norm_overflow_raises_eagerly_and_blocks_export_under_jit():
-    cache = kvcache.init(3, 48, H, D, key_bits=4, value_bits=4, rotation="haar", seed=11, dtype=jnp.float32, block_tokens=16, window=0)
+    cache = kvcache.init(3, 48, H, D, key_bits=4, value_bits=4, rotation="haar", seed=11, dtype=jnp.float32, block_tokens=16, window=0, sinks=0)
     k = np.ones((3, 16, H, D), np.float32)
     k[1, 3, 0] = 1e4  # norm 8e4 > 65504: float16 cannot hold it
     with pytest.raises(tq_jax.NormOverflowError, match="1 appended vector"):
@@ -261,7 +261,7 @@ def test_norm_overflow_raises_eagerly_and_blocks_export_under_jit():
 
 @pytest.fixture(scope="module")
 def small():
-    return kvcache.init(2, 20, H, D, key_bits=4, value_bits=4, rotation="haar", seed=11, dtype=jnp.float32, block_tokens=16, window=0)
+    return kvcache.init(2, 20, H, D, key_bits=4, value_bits=4, rotation="haar", seed=11, dtype=jnp.float32, block_tokens=16, window=0, sinks=0)
 
 
 def test_attend_rejects_bad_query_shapes(small):
@@ -292,7 +292,7 @@ def test_append_rejects_bad_shapes_and_lengths(small):
 
 
 def test_paged_pool_exhaustion_is_refused_eagerly():
-    cache = kvcache.init(2, 32, H, D, key_bits=4, value_bits=4, rotation="haar", seed=11, page_size=8, num_pages=3, dtype=jnp.float32, window=0)
+    cache = kvcache.init(2, 32, H, D, key_bits=4, value_bits=4, rotation="haar", seed=11, page_size=8, num_pages=3, dtype=jnp.float32, window=0, sinks=0)
     x = np.ones((2, 16, H, D), np.float32)
     with pytest.raises(ValueError, match="needs 4 new page"):
         kvcache.append(cache, x, x)
@@ -337,7 +337,7 @@ def test_load_rejects_blobs_of_another_config(small):
 
 
 def test_paged_load_refuses_gaps_and_short_interior_pages():
-    cache = kvcache.init(1, 32, H, D, key_bits=4, value_bits=4, rotation="haar", seed=11, page_size=8, dtype=jnp.float32, window=0)
+    cache = kvcache.init(1, 32, H, D, key_bits=4, value_bits=4, rotation="haar", seed=11, page_size=8, dtype=jnp.float32, window=0, sinks=0)
     blob = blob_of(tq_jax.Header(bits=4, seed=11, shape=(2, 1, 5, H, D), dtype="float32"))
     with pytest.raises(ValueError, match="leave a gap"):
         kvcache.load(cache, blob, seq=0, page=1)
@@ -352,19 +352,19 @@ def test_paged_load_refuses_gaps_and_short_interior_pages():
 
 def test_init_rejects_unpackable_head_dim_and_bad_page_size():
     with pytest.raises(ValueError, match="multiple of 8 at 3 bits"):
-        kvcache.init(1, 8, 1, 100, key_bits=3, value_bits=4, window=0)
+        kvcache.init(1, 8, 1, 100, key_bits=3, value_bits=4, window=0, sinks=0)
     with pytest.raises(ValueError, match="power of two"):
-        kvcache.init(1, 8, 1, 64, key_bits=4, value_bits=4, page_size=12, window=0)
+        kvcache.init(1, 8, 1, 64, key_bits=4, value_bits=4, page_size=12, window=0, sinks=0)
     with pytest.raises(ValueError, match="rotation"):
-        kvcache.init(1, 8, 1, 64, key_bits=4, value_bits=4, rotation="dct", window=0)
+        kvcache.init(1, 8, 1, 64, key_bits=4, value_bits=4, rotation="dct", window=0, sinks=0)
     with pytest.raises(ValueError, match="num_pages"):
-        kvcache.init(1, 8, 1, 64, key_bits=4, value_bits=4, num_pages=4, window=0)
-    assert dataclasses.is_dataclass(kvcache.init(1, 8, 1, 64, window=0).config)
+        kvcache.init(1, 8, 1, 64, key_bits=4, value_bits=4, num_pages=4, window=0, sinks=0)
+    assert dataclasses.is_dataclass(kvcache.init(1, 8, 1, 64, window=0, sinks=0).config)
 
 
 def test_default_bfloat16_cache_stores_what_dumps_stores_for_bfloat16_kv():
     rng = np.random.default_rng(10)
-    cache = kvcache.init(2, 20, H, D, key_bits=4, value_bits=4, rotation="haar", seed=11, block_tokens=16, window=0)  # dtype defaults to bfloat16
+    cache = kvcache.init(2, 20, H, D, key_bits=4, value_bits=4, rotation="haar", seed=11, block_tokens=16, window=0, sinks=0)  # dtype defaults to bfloat16
     k = rng.standard_normal((2, 16, H, D)).astype(np.float32)
     v = rng.standard_normal((2, 16, H, D)).astype(np.float32)
     cache = kvcache.append(cache, k, v)  # float32 in: cast to the cache's dtype first
@@ -383,13 +383,13 @@ def test_default_bfloat16_cache_stores_what_dumps_stores_for_bfloat16_kv():
 
 def test_default_block_fills_about_block_bytes_of_float32_keys():
     # the benchmark's shape: 4 x 8 heads x 128 dims x 4 bytes = 16 KiB a token -> 64 tokens = 1 MiB
-    assert kvcache.init(4, 8192, 8, 128, window=0).config.block_tokens == 64
-    assert kvcache.init(4, 8192, 8, 128, page_size=16, window=0).config.block_tokens == 64  # blocks span pages
-    assert kvcache.init(1, 4096, 3, 64, window=0).config.block_tokens == kvcache.BLOCK_TOKENS  # small: the cap
-    assert kvcache.init(64, 64, 32, 256, window=0).config.block_tokens == 16  # large: the floor
-    assert kvcache.init(1, 40, 3, 64, window=0).config.block_tokens == 64  # never beyond the capacity's power of two
+    assert kvcache.init(4, 8192, 8, 128, window=0, sinks=0).config.block_tokens == 64
+    assert kvcache.init(4, 8192, 8, 128, page_size=16, window=0, sinks=0).config.block_tokens == 64  # blocks span pages
+    assert kvcache.init(1, 4096, 3, 64, window=0, sinks=0).config.block_tokens == kvcache.BLOCK_TOKENS  # small: the cap
+    assert kvcache.init(64, 64, 32, 256, window=0, sinks=0).config.block_tokens == 16  # large: the floor
+    assert kvcache.init(1, 40, 3, 64, window=0, sinks=0).config.block_tokens == 64  # never beyond the capacity's power of two
     for batch, heads, dim in ((4, 8, 128), (2, 8, 64), (1, 3, 64), (8, 16, 128)):
-        block = kvcache.init(batch, 2048, heads, dim, window=0).config.block_tokens
+        block = kvcache.init(batch, 2048, heads, dim, window=0, sinks=0).config.block_tokens
         per_token = batch * heads * dim * 4
         assert block * per_token <= kvcache.BLOCK_BYTES or block == 16
         assert 2 * block * per_token > kvcache.BLOCK_BYTES or block == kvcache.BLOCK_TOKENS
@@ -409,7 +409,7 @@ def test_load_of_a_turbo_blob_attends_as_its_decoded_values(preset):
     h = tq_jax.peek_header(blob)
     assert h.norm_bits and h.norm_correction and h.checksum
     cache = kvcache.init(1, 32, H, D, key_bits=opts["key_bits"], value_bits=opts["value_bits"], rotation=opts["rotation"], seed=42,
-                         dtype=jnp.float32, block_tokens=16, window=0)
+                         dtype=jnp.float32, block_tokens=16, window=0, sinks=0)
     cache = kvcache.load(cache, blob)
     assert int(cache.lengths[0]) == t
     kv = np.asarray(tq_jax.loads(blob, dtype=jnp.float32))
@@ -428,7 +428,7 @@ def test_load_of_float32_norms_rounds_them_as_dumps_does_for_float16():
     x = rng.standard_normal((2, 1, 9, H, D)).astype(np.float32)
     wide = tq_jax.dumps(x, bits=4, seed=11, norm_dtype="float32")
     assert tq_jax.peek_header(wide).norm_dtype == "float32"
-    cache = kvcache.load(kvcache.init(1, 16, H, D, key_bits=4, value_bits=4, rotation="haar", seed=11, dtype=jnp.float32, window=0), wide)
+    cache = kvcache.load(kvcache.init(1, 16, H, D, key_bits=4, value_bits=4, rotation="haar", seed=11, dtype=jnp.float32, window=0, sinks=0), wide)
     assert kvcache.export(cache) == tq_jax.dumps(x, bits=4, seed=11, norm_dtype="float16")
     huge = tq_jax.dumps(x * 1e4, bits=4, seed=11, norm_dtype="float32")
     with pytest.raises(tq_jax.NormOverflowError, match="exceed float16"):

@@ -46,7 +46,7 @@ MATRIX = [
 def test_attend_matrix_matches_dense_attention_over_decoded_blob(rotation, kb, vb, group, page_size, q_len):
     rng = np.random.default_rng(kb * 10 + vb + group)
     cache = kvcache.init(3, 48, H, D, key_bits=kb, value_bits=vb, rotation=rotation, seed=11, page_size=page_size, dtype=jnp.float32,
-                         block_tokens=16, window=0)
+                         block_tokens=16, window=0, sinks=0)
     cache, ks, vs = fill(cache, rng, first=[16, 11, 16], second=[16, 16, 9])  # ragged: 32, 27, 25
     q = rng.standard_normal((3, q_len, H * group, D)).astype(np.float32)
     out = np.asarray(_attend(cache, q, pallas_gpu.Tuning(block=16, splits=2)))
@@ -57,7 +57,7 @@ def test_attend_matrix_matches_dense_attention_over_decoded_blob(rotation, kb, v
 
 def test_splits_row_tiles_and_both_lookups_agree_with_the_xla_path():
     rng = np.random.default_rng(5)
-    cache = kvcache.init(3, 48, H, D, key_bits=4, value_bits=3, rotation="hadamard", seed=11, page_size=8, dtype=jnp.float32, block_tokens=16, window=0)
+    cache = kvcache.init(3, 48, H, D, key_bits=4, value_bits=3, rotation="hadamard", seed=11, page_size=8, dtype=jnp.float32, block_tokens=16, window=0, sinks=0)
     cache, _, _ = fill(cache, rng, first=[16, 11, 16], second=[16, 16, 9])
     q = rng.standard_normal((3, 24, H * 3, D)).astype(np.float32)  # 72 rows: two row tiles of 64
     ref = np.asarray(kvcache.attend(cache, q, impl="xla"))
@@ -70,7 +70,7 @@ def test_splits_row_tiles_and_both_lookups_agree_with_the_xla_path():
 def test_partial_returns_the_online_softmax_state_of_the_coded_tokens_only(page_size):
     rng = np.random.default_rng(9)
     base = kvcache.init(3, 48, H, D, key_bits=3, value_bits=4, rotation="haar", seed=11, page_size=page_size, dtype=jnp.float32,
-                        block_tokens=16, window=0)
+                        block_tokens=16, window=0, sinks=0)
     base, ks, vs = fill(base, rng, first=[16, 11, 16], second=[16, 16, 9])  # 32, 27, 25 tokens
     sinks = 4
     cache = dataclasses.replace(base, config=dataclasses.replace(base.config, sinks=sinks))
@@ -108,7 +108,7 @@ def test_partial_returns_the_online_softmax_state_of_the_coded_tokens_only(page_
     ],
 )
 def test_kernel_lowers_to_triton_ir_for_cuda(kb, vb, rotation, page_size, group, q_len, dim, tuning):
-    cache = kvcache.init(2, 100, 2, dim, key_bits=kb, value_bits=vb, rotation=rotation, seed=3, page_size=page_size, window=0)
+    cache = kvcache.init(2, 100, 2, dim, key_bits=kb, value_bits=vb, rotation=rotation, seed=3, page_size=page_size, window=0, sinks=0)
     q = jax.ShapeDtypeStruct((2, q_len, 2 * group, dim), jnp.bfloat16)
     fn = jax.jit(lambda c, x: pallas_gpu.attend(c, x, interpret=False, tuning=tuning))
     text = fn.trace(cache, q).lower(lowering_platforms=("cuda",)).as_text()
@@ -122,7 +122,7 @@ def test_bad_tuning_and_unsupported_head_dim_are_clear_errors():
         pallas_gpu.Tuning(lookup="table")
     with pytest.raises(ValueError, match="`splits` must be None or an int >= 1, got 0"):
         pallas_gpu.Tuning(splits=0)
-    cache = kvcache.init(1, 16, 1, 96, key_bits=4, value_bits=4, rotation="haar", seed=3, window=0)  # 96 / 2 = 48-wide lanes: not a Triton tile
+    cache = kvcache.init(1, 16, 1, 96, key_bits=4, value_bits=4, rotation="haar", seed=3, window=0, sinks=0)  # 96 / 2 = 48-wide lanes: not a Triton tile
     with pytest.raises(ValueError, match="head_dim=96 .* use impl='xla'"):
         kvcache.attend(cache, np.zeros((1, 1, 1, 96), np.float32), impl="pallas_gpu")
 
@@ -130,8 +130,8 @@ def test_bad_tuning_and_unsupported_head_dim_are_clear_errors():
 def test_auto_impl_is_the_gpu_kernel_on_a_gpu_when_head_dim_tiles(monkeypatch):
     from tq_jax.kvcache import attention
 
-    tiles = kvcache.init(1, 16, 1, 64, key_bits=4, value_bits=3, window=0)
-    odd = kvcache.init(1, 16, 1, 96, key_bits=4, value_bits=4, window=0)  # 48-wide lanes
+    tiles = kvcache.init(1, 16, 1, 64, key_bits=4, value_bits=3, window=0, sinks=0)
+    odd = kvcache.init(1, 16, 1, 96, key_bits=4, value_bits=4, window=0, sinks=0)  # 48-wide lanes
     assert attention.resolve_impl(tiles, "auto") == "xla"  # this CPU
     assert attention.resolve_impl(tiles, "pallas") == "pallas_tpu"
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")

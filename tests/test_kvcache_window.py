@@ -127,7 +127,7 @@ def test_load_brings_codes_only_then_appends_are_exact():
 @pytest.mark.parametrize("preset", ["turbo-3.5", "turbo-2.5"])
 def test_presets_by_name_read_what_a_norm_corrected_blob_decodes_to(preset):
     rng = np.random.default_rng(7)
-    cache = kvcache.init(2, 32, H, D, options=preset, dtype=jnp.float32, window=0, block_tokens=16)
+    cache = kvcache.init(2, 32, H, D, options=preset, dtype=jnp.float32, window=0, sinks=0, block_tokens=16)
     want = tq_jax.PRESETS[preset]
     cfg = cache.config
     assert (cfg.key_bits, cfg.value_bits, cfg.rotation, cfg.norm_correction) == (
@@ -163,12 +163,13 @@ def test_default_window_and_memory_at_8k_and_32k_tokens():
     """The window costs its tokens at full width and nothing else per token."""
     for tokens, bound in ((8192, 0.285), (32768, 0.265)):
         cache = kvcache.init(1, tokens, 8, 128)
-        assert cache.config.window == kvcache.DEFAULT_WINDOW
+        assert (cache.config.window, cache.config.sinks) == (kvcache.DEFAULT_WINDOW, kvcache.DEFAULT_SINKS)
         bf16 = 2 * tokens * 8 * 128 * 2
         assert kvcache.nbytes(cache) <= bound * bf16
-        assert kvcache.nbytes(cache) - kvcache.nbytes(kvcache.init(1, tokens, 8, 128, window=0)) == (
-            2 * kvcache.DEFAULT_WINDOW * 8 * 128 * 2)
-    assert kvcache.init(1, 40, 2, 64).config.window == 40  # a short cache: the window is all of it
+        assert kvcache.nbytes(cache) - kvcache.nbytes(kvcache.init(1, tokens, 8, 128, window=0, sinks=0)) == (
+            2 * (kvcache.DEFAULT_WINDOW + kvcache.DEFAULT_SINKS) * 8 * 128 * 2)
+    short = kvcache.init(1, 3, 2, 64).config  # a short cache: the window and sinks are all of it
+    assert (short.window, short.sinks) == (3, 3)
 
 
 @pytest.mark.parametrize("kwargs,match", [

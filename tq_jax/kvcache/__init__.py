@@ -9,7 +9,7 @@ values in the rotated domain and un-rotates once per query.
 
 ::
 
-    cache = kvcache.init(batch=2, max_len=4096, kv_heads=8, head_dim=128)      # 4/4 bits, window 128
+    cache = kvcache.init(batch=2, max_len=4096, kv_heads=8, head_dim=128)  # 4/4 bits, window 128, 4 sinks
     cache = kvcache.init(2, 4096, 8, 128, options="turbo-3.5", window=128, sinks=4)
     cache = kvcache.append(cache, k, v)                 # k, v: [batch, new, kv_heads, head_dim]
     cache = kvcache.append(cache, k, v, new_lengths=n)  # ragged: n[b] valid tokens of sequence b
@@ -18,12 +18,13 @@ values in the rotated domain and un-rotates once per query.
     cache = kvcache.load(cache, blob, seq=0)            # codes copied in, nothing re-quantized
 
 An exact window: each sequence's most recent ``window`` tokens (default
-:data:`DEFAULT_WINDOW`, 128) and optionally its first ``sinks`` are also held in the
+:data:`DEFAULT_WINDOW`, 128) and its first ``sinks`` (default :data:`DEFAULT_SINKS`, 4)
+are also held in the
 model's dtype, and :func:`attend` reads those exactly, in one online softmax with the
 codes of the rest. Local attention leans hardest on the recent tokens; reading them
 from codes is what costs a model generating on the cache most of its quality
 (docs/serving-smollm2.md). Every token is still quantized once, when appended, so codes
-never change and :func:`export` is unaffected; ``window=0`` reads every token from codes.
+never change and :func:`export` is unaffected; ``window=0, sinks=0`` reads every token from codes.
 
 Storage is a pool of pages ``[num_pages, page_size, kv_heads, row_bytes]`` plus a
 per-sequence page table (vLLM's paged KV cache, tpu-inference's ragged paged
@@ -51,8 +52,8 @@ every attention kernel shares) → :mod:`~tq_jax.kvcache.xla` and
 
 from tq_jax.kvcache.attention import attend
 from tq_jax.kvcache.blobs import export, load
-from tq_jax.kvcache.state import BLOCK_BYTES, BLOCK_TOKENS, DEFAULT_WINDOW, CacheConfig, KVCache, init, nbytes
+from tq_jax.kvcache.state import BLOCK_BYTES, BLOCK_TOKENS, DEFAULT_SINKS, DEFAULT_WINDOW, CacheConfig, KVCache, init, nbytes
 from tq_jax.kvcache.write import append
 
 __all__ = ["CacheConfig", "KVCache", "init", "append", "attend", "export", "load", "nbytes", "BLOCK_TOKENS", "BLOCK_BYTES",
-           "DEFAULT_WINDOW"]
+           "DEFAULT_WINDOW", "DEFAULT_SINKS"]

@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # annotations only; jaxtyping is not a runtime dependency
     from jaxtyping import Array, Float, Int32, UInt8
 
 __all__ = ["CacheConfig", "KVCache", "init", "nbytes", "BLOCK_BYTES", "BLOCK_TOKENS", "MIN_BLOCK_TOKENS",
-           "DEFAULT_WINDOW", "positive_int"]
+           "DEFAULT_WINDOW", "DEFAULT_SINKS", "positive_int"]
 
 # attend's default block: the power of two of tokens whose dequantized keys (batch x kv_heads
 # x block x head_dim float32) fill about BLOCK_BYTES (a CPU core's L2), at most BLOCK_TOKENS
@@ -37,6 +37,10 @@ MIN_BLOCK_TOKENS = 16
 # cache's perplexity (docs/serving-smollm2.md). KIVI, SKVQ and transformers'
 # QuantizedCache keep 128 recent tokens exact too.
 DEFAULT_WINDOW = 128
+# ... and its first 4 tokens (attention sinks: the tokens every head leans on most). With
+# the window of 128 they cut the in-loop KL of 4/4 codes from 0.0069 to 0.0047 nats and of
+# turbo-2.5 from 0.033 to 0.020 (docs/serving-smollm2.md).
+DEFAULT_SINKS = 4
 WINDOW_WHY = ("the most recent tokens of each sequence that attend reads exactly; 0 reads every token from "
               "its codes, and a window holds at most max_len tokens.")
 SINKS_WHY = "the first tokens of each sequence that attend reads exactly; at most max_len."
@@ -221,7 +225,7 @@ def init(
     seed: int | None = None,
     norm_correction: bool | None = None,
     window: int | None = None,
-    sinks: int = 0,
+    sinks: int | None = None,
     page_size: int | None = None,
     num_pages: int | None = None,
     dtype=jnp.bfloat16,
@@ -246,7 +250,8 @@ def init(
         window: the most recent tokens of each sequence held exactly as well (in
             ``dtype``), which :func:`attend` reads instead of their codes; default
             :data:`DEFAULT_WINDOW` (at most ``max_len``); 0 reads every token from codes.
-        sinks: the first tokens of each sequence held exactly as well (0..max_len).
+        sinks: the first tokens of each sequence held exactly as well (attention
+            sinks); default :data:`DEFAULT_SINKS` (at most ``max_len``); 0..max_len.
         page_size: tokens per page (a power of two) for a paged cache; None: one
             page of the whole capacity per sequence.
         num_pages: pages in the pool (paged only); default ``batch * ceil(max_len /
@@ -258,7 +263,7 @@ def init(
 
     Every token is quantized once, when it is appended, so its codes never change and
     :func:`export` writes the same bytes whatever the window; the window costs
-    ``window`` tokens of ``dtype`` K/V per sequence and nothing else per token.
+    ``window + sinks`` tokens of ``dtype`` K/V per sequence and nothing else per token.
 
     Returns:
         :class:`KVCache` with every sequence empty.
@@ -296,7 +301,7 @@ def init(
             f"readers accept; use rotation='hadamard'."
         )
     window = min(DEFAULT_WINDOW, max_len) if window is None else _count(window, "window", max_len, WINDOW_WHY)
-    sinks = _count(sinks, "sinks", max_len, SINKS_WHY)
+    sinks = min(DEFAULT_SINKS, max_len) if sinks is None else _count(sinks, "sinks", max_len, SINKS_WHY)
     try:
         dtype_name = jnp.dtype(dtype).name
     except TypeError:
