@@ -57,3 +57,12 @@ def test_ci_refuses_to_run_with_a_test_dependency_missing(tmp_path):
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path), str(ini)], env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_norm_overflow_error_is_one_class_defined_by_the_format():
+    """The format (wire) defines it; the blob layer and the package name the same class."""
+    import tq_jax
+    from tq_jax import blob, wire
+
+    assert tq_jax.NormOverflowError is blob.NormOverflowError is wire.NormOverflowError
+    assert wire.NormOverflowError.__module__ == "tq_jax.wire"

@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 
 import tq_jax
-from tq_jax import cli, codebook, wire
+from tq_jax import cli, codebook, rotation, wire
 from tq_jax import options as options_mod
 
 FIELDS = {f.name: f for f in dataclasses.fields(tq_jax.Options)}
@@ -54,10 +54,9 @@ def test_every_field_describes_itself():
 
 def test_constants_come_from_the_lower_layers():
     assert FIELDS["key_bits"].metadata["values"] == FIELDS["value_bits"].metadata["values"] == codebook.BITS_RANGE
-    from tq_jax import rotation
 
-    assert FIELDS["rotation"].metadata["values"] is options_mod.ROTATIONS is rotation.ROTATIONS
-    assert options_mod.NORM_DTYPES == ("auto", *wire.NORM_DTYPES)
+    assert FIELDS["rotation"].metadata["values"] is rotation.ROTATIONS
+    assert FIELDS["norm_dtype"].metadata["values"] == ("auto", *wire.NORM_DTYPES)
     assert FIELDS["norm_bits"].metadata["values"] == wire.NORM_BITS
     assert FIELDS["skip_first_layers"].metadata["values"] == range(0, wire.MAX_SKIP_LAYERS + 1)
 
@@ -119,7 +118,7 @@ def test_cli_flags_follow_the_metadata():
         assert f.metadata["help"] in a.help, name
         if options_mod.field_type(f) is bool:
             assert isinstance(a, argparse._StoreTrueAction), name
-    assert list(by_dest["rotation"].choices) == list(options_mod.ROTATIONS)
+    assert list(by_dest["rotation"].choices) == list(rotation.ROTATIONS)
     assert list(by_dest["norm_bits"].choices) == [0, *wire.NORM_BITS]
     assert list(by_dest["key_bits"].choices) == list(codebook.BITS_RANGE)
 

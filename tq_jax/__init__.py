@@ -25,7 +25,7 @@ _EXPORTS = {
     "CodecConfig": "tq_jax.codec",
     "Encoded": "tq_jax.codec",
     "Header": "tq_jax.wire",
-    "NormOverflowError": "tq_jax.blob",
+    "NormOverflowError": "tq_jax.wire",
     "Options": "tq_jax.options",
     "PRESETS": "tq_jax.options",
     "WireError": "tq_jax.wire",
@@ -57,7 +57,7 @@ def __dir__():
 
 
 if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
-    from tq_jax.blob import NormOverflowError as NormOverflowError
+    from tq_jax.wire import NormOverflowError as NormOverflowError
     from tq_jax.blob import dump_into as dump_into
     from tq_jax.blob import dumps as dumps
     from tq_jax.blob import load_into as load_into

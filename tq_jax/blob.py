@@ -29,6 +29,7 @@ from tq_jax import codec as _codec
 from tq_jax import options as _options
 from tq_jax import rotation as _rotation
 from tq_jax import wire as _wire
+from tq_jax.wire import NORM_OVERFLOW, NormOverflowError  # the format's limit; re-exported here
 
 __all__ = [
     "dumps",
@@ -51,18 +52,6 @@ _ALIGN = 64
 # Blocks dispatched ahead per device: enough to overlap host copies with device work,
 # few enough that a large input never has more than a few blocks' worth of copies alive.
 _IN_FLIGHT = 4
-
-NORM_OVERFLOW = (
-    "{count} of {total} vectors have an L2 norm that float16 cannot hold (largest: "
-    "{largest:.6g}; float16 tops out at 65504). TQ01 version 1 stores norms as float16, "
-    "so these vectors would silently decode as inf. Scale the tensor down before encoding, "
-    "or use the wider-norm format (TQ01 version 2, float32 norms) once your readers support it."
-)
-
-
-class NormOverflowError(ValueError):
-    """A vector's norm does not fit the float16 norms of TQ01 version 1."""
-
 
 def bucket(n: int) -> int:
     """Smallest size >= n of the form 2**k or 3 * 2**(k-1), and at least 8."""

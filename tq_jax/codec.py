@@ -92,10 +92,7 @@ __all__ = [
     "decode_block",
     "encode_log_norms",
     "decode_log_norms",
-    "ROTATIONS",
 ]
-
-ROTATIONS = _rotation.ROTATIONS  # the one list of rotation names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,9 +129,9 @@ class CodecConfig:
             )
         if not isinstance(self.seed, (int, np.integer)) or isinstance(self.seed, bool):
             raise ValueError(f"`seed` must be an int, got {self.seed!r}.")
-        if self.rotation not in ROTATIONS:
+        if self.rotation not in _rotation.ROTATIONS:
             raise ValueError(
-                f"`rotation` must be one of {ROTATIONS}, got {self.rotation!r}: 'haar' is the "
+                f"`rotation` must be one of {_rotation.ROTATIONS}, got {self.rotation!r}: 'haar' is the "
                 f"reference's dense rotation, 'hadamard' the fast structured one."
             )
         if not isinstance(self.norm_correction, (bool, np.bool_)):

@@ -26,11 +26,9 @@ from tq_jax import codebook as _codebook
 from tq_jax import rotation as _rotation
 from tq_jax import wire as _wire
 
-__all__ = ["Options", "NORM_DTYPES", "ROTATIONS", "PRESETS", "check_field", "describe_values", "field_metadata",
+__all__ = ["Options", "PRESETS", "check_field", "describe_values", "field_metadata",
            "field_type"]
 
-NORM_DTYPES = ("auto",) + tuple(_wire.NORM_DTYPES)
-ROTATIONS = _rotation.ROTATIONS
 _BITS_WHY = "it sets the codebook size 2**bits."
 _NORM_BITS_WHY = "0 keeps float norms; 2..8 store each norm as a code on a log-uniform grid of 2**norm_bits - 1 levels."
 
@@ -139,11 +137,11 @@ class Options:
         "store the last N layers as their exact bytes", 2,
         values=range(0, _wire.MAX_SKIP_LAYERS + 1), why="a count of layers kept raw."))
     rotation: str = dataclasses.field(default="haar", metadata=field_metadata(
-        "haar (the reference's dense rotation) or hadamard (fast, structured)", 2, values=ROTATIONS,
+        "haar (the reference's dense rotation) or hadamard (fast, structured)", 2, values=_rotation.ROTATIONS,
         why="'haar' is the reference's dense rotation, 'hadamard' the fast structured one (TQ01 v2)."))
     norm_dtype: str = dataclasses.field(default="auto", metadata=field_metadata(
         "float16 (v1), float32 (never overflows), or auto: float16 unless a norm overflows it, then float32",
-        2, values=NORM_DTYPES))
+        2, values=("auto", *_wire.NORM_DTYPES)))
     norm_correction: bool = dataclasses.field(default=False, metadata=field_metadata(
         "decoders rescale centroid vectors to unit length", 2))
     checksum: bool = dataclasses.field(default=False, metadata=field_metadata(
