@@ -264,6 +264,40 @@ def test_inspect_bare_blob_and_plain_files(tmp_path, infile, capsys):
     assert "total: 0 TQ01 tensor(s), 8 raw" in capsys.readouterr().out
 
 
+def test_inspect_refuses_a_bare_blob_whose_length_is_not_its_headers(tmp_path, capsys):
+    """A truncated (or padded) bare blob is an error, not a ratio: its length follows from its header."""
+    whole = tq_jax.dumps(np.ones((3, HD), np.float32), bits=2, seed=5)
+    assert len(whole) == tq_jax.serialized_size((3, HD), "float32", 2)
+    for name, data, what in [("short.tq01", whole[:-7], "truncated"), ("long.tq01", whole + b"\0" * 3, "followed by 3")]:
+        (tmp_path / name).write_bytes(data)
+        _fails(capsys, "inspect", tmp_path / name, match=f"declares {len(whole):,} bytes")
+        assert run("inspect", tmp_path / name, "--json") == 1
+        assert what in capsys.readouterr().err
+
+
+def test_decompress_of_a_bare_blob_says_what_it_is_and_what_to_run(tmp_path, capsys):
+    blob = tmp_path / "x.tq01"
+    blob.write_bytes(tq_jax.dumps(np.ones((3, HD), np.float32), bits=4))
+    _fails(capsys, "decompress", blob, tmp_path / "x.safetensors", match="bare TQ01 blob")
+    run("decompress", blob, tmp_path / "x.safetensors")
+    err = capsys.readouterr().err
+    assert "tq_jax.loads(" in err and f"tq-jax inspect {blob}" in err and "MAX_HEADER_SIZE" not in err
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_a_codec_other_than_tq01_in_the_metadata_is_refused(tmp_path, infile, capsys):
+    out = tmp_path / "c.safetensors"
+    assert run("compress", infile, out, "-q") == 0
+    tensors, meta = st.load_file(out)
+    doc = json.loads(meta[batch.META_KEY])
+    doc["tensors"]["kv"]["codec"] = "TQ02"
+    st.save_file(tensors, tmp_path / "other.safetensors", {**meta, batch.META_KEY: json.dumps(doc)})
+    for argv in (["decompress", tmp_path / "other.safetensors", tmp_path / "x.safetensors"],
+                 ["inspect", tmp_path / "other.safetensors"]):
+        _fails(capsys, *argv, match="names codec 'TQ02', but this tq-jax reads only 'TQ01'")
+    assert not (tmp_path / "x.safetensors").exists()
+
+
 # --------------------------------------------------------------------------- errors
 
 
