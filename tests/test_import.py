@@ -66,3 +66,30 @@ def test_norm_overflow_error_is_one_class_defined_by_the_format():
 
     assert tq_jax.NormOverflowError is blob.NormOverflowError is wire.NormOverflowError
     assert wire.NormOverflowError.__module__ == "tq_jax.wire"
+
+
+def test_submodules_are_attributes_loaded_on_first_use():
+    """`tq_jax.kvcache.init` works after a bare `import tq_jax`, which still loads no jax."""
+    code = (
+        "import sys, tq_jax; "
+        "assert 'jax' not in sys.modules and 'numpy' not in sys.modules; "
+        "assert 'tq_jax.kvcache' not in sys.modules and 'kvcache' in dir(tq_jax); "
+        "assert 'tq_jax.options' not in sys.modules; "
+        "import importlib; "
+        "assert callable(tq_jax.kvcache.init) and tq_jax.kvcache is importlib.import_module('tq_jax.kvcache'); "
+        "assert tq_jax.wire.parse is tq_jax.parse and tq_jax.options.Options is tq_jax.Options; "
+        "assert 'torch' not in sys.modules; "
+        "import pytest; pytest.raises(AttributeError, getattr, tq_jax, 'no_such_module')"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_bridge_is_an_attribute_where_lmcache_is_installed():
+    import importlib.util
+
+    if importlib.util.find_spec("lmcache") is None:
+        import pytest
+
+        pytest.skip("the lmcache extra is not installed")
+    code = "import tq_jax; assert tq_jax.bridge.register is not None"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
