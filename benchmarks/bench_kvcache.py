@@ -4,7 +4,8 @@ Batch 4, 8 KV heads, GQA 4 (32 query heads), head_dim 128, one query per sequenc
 (decode), every sequence holding T tokens, T in 1k...32k. Timed, in one process,
 interleaved in each round after warm-up (compiles excluded), median over rounds:
 
-* ``kvcache.attend`` (``impl="xla"``) on a 4/4-bit Haar cache (codes + float16 norms);
+* ``kvcache.attend`` (``impl="xla"``) on a 4/4-bit Haar cache (codes + float16 norms)
+  with the default exact window (the last 128 tokens also in bf16), and with ``window=0``;
 * dense attention in XLA over a bfloat16 K/V cache laid out ``[B, H, T, D]``: one jitted
   ``einsum`` softmax ``einsum`` with GQA, bf16 operands and float32 accumulation
   (``preferred_element_type``). Of the plain forms measured (this one; bf16 einsums with
@@ -27,6 +28,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -59,11 +62,16 @@ def bench(tokens: int, rounds: int, rng) -> dict:
     k = rng.standard_normal((B, tokens, H, D), dtype=np.float32)
     v = rng.standard_normal((B, tokens, H, D), dtype=np.float32)
     q = rng.standard_normal((B, 1, H * G, D), dtype=np.float32)
-    cache = kvcache.init(B, tokens, H, D, 4, 4, "haar", seed=42)
     append = jax.jit(kvcache.append, donate_argnums=0)
     chunk = 1024
-    for s in range(0, tokens, chunk):  # prefill in chunks: one compiled program
-        cache = append(cache, jnp.asarray(k[:, s : s + chunk], jnp.bfloat16), jnp.asarray(v[:, s : s + chunk], jnp.bfloat16))
+    caches = {}
+    for window in (kvcache.DEFAULT_WINDOW, 0):
+        cache = kvcache.init(B, tokens, H, D, key_bits=4, value_bits=4, rotation="haar", seed=42, window=window)
+        for s in range(0, tokens, chunk):  # prefill in chunks: one compiled program
+            kc, vc = (jnp.asarray(a[:, s : s + chunk], jnp.bfloat16) for a in (k, v))
+            cache = append(cache, kc, vc)
+        caches[window] = cache
+    cache, codes_only = caches[kvcache.DEFAULT_WINDOW], caches[0]
     kh, vh = (np.ascontiguousarray(a.transpose(0, 2, 1, 3)) for a in (k, v))  # [B, H, T, D]
     kb, vb, qb = (jnp.asarray(a, jnp.bfloat16) for a in (kh, vh, q))
     kf, vf, qf = (jnp.asarray(a) for a in (kh, vh, q))
@@ -75,6 +83,7 @@ def bench(tokens: int, rounds: int, rng) -> dict:
     }
     runs = {
         "attend (4/4-bit codes)": (attend, cache, qb),
+        "attend, window 0": (attend, codes_only, qb),
         "dense bf16": (dense, qb, kb, vb),
         "dense f32": (dense, qf, kf, vf),
     }
@@ -107,20 +116,28 @@ def main(argv=None) -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=None)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "kvcache.md"))
     args = ap.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
     sizes = args.sizes or ((1024, 2048) if args.quick else (1024, 2048, 4096, 8192, 16384, 32768))
     rounds = args.rounds or (3 if args.quick else 9)
     load = os.getloadavg()[0]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip() or "unknown"
     rng = np.random.default_rng(0)
     rows = [bench(t, rounds, rng) for t in sizes]
     names = list(rows[0]["ms"])
     lines = [
         "# Decode attention: compressed cache vs dense",
         "",
+        f"Commit {commit}; command: `python benchmarks/bench_kvcache.py{' ' + ' '.join(argv or []) if argv else ''}`.",
+        "",
         f"Batch {B}, {H} KV heads, GQA {G} ({H * G} query heads), head_dim {D}, one query per sequence, "
         f"every sequence T tokens; jax {jax.__version__} on {jax.devices()[0].platform} "
         f"({len(jax.devices())} device); median ms of {rounds} interleaved rounds after warm-up "
         f"(`python benchmarks/bench_kvcache.py`). Ratios are medians of per-round ratios. "
-        f"Peak scratch: the compiled program's temp bytes (besides arguments and output).",
+        f"Peak scratch: the compiled program's temp bytes (besides arguments and output). "
+        f"`attend (4/4-bit codes)` is the default cache: 4/4 bits and an exact window of the last "
+        f"{kvcache.DEFAULT_WINDOW} tokens (bf16), read in the same online softmax; `attend, window 0` reads "
+        f"every token from codes.",
         "",
         "| T | " + " | ".join(f"{n} ms" for n in names) + " | attend / dense bf16 | attend / dense f32 "
         "| cache bytes (x bf16) | peak scratch attend / dense bf16 | attend block | cosine vs dense f32 over raw K/V |",

@@ -19,47 +19,10 @@ import numpy as np
 import pytest
 
 import tq_jax
+from kvcache_helpers import D, H, dense_attention, dumps_kv, fill
 from tq_jax import kvcache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-D = 64  # head_dim of the small caches
-H = 2  # kv_heads
-
-
-def dense_attention(q, k, v):
-    """Causal softmax attention, float64: q [Q, Hq, D] are the last Q positions of k/v [T, H, D]."""
-    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
-    n_q, q_heads, dim = q.shape
-    t, heads = k.shape[:2]
-    g = q_heads // heads
-    s = np.einsum("qhgd,thd->hgqt", q.reshape(n_q, heads, g, dim), k) / np.sqrt(dim)
-    allowed = np.arange(t)[None, :] <= (t - n_q + np.arange(n_q))[:, None]  # [Q, T]
-    s = np.where(allowed, s, -np.inf)
-    top = np.max(s, axis=-1, keepdims=True)
-    p = np.where(allowed, np.exp(s - np.where(np.isfinite(top), top, 0)), 0)
-    l = p.sum(-1, keepdims=True)
-    out = np.einsum("hgqt,thd->qhgd", p / np.where(l == 0, 1, l), v)  # no key visible: zeros
-    return out.reshape(n_q, q_heads, dim)
-
-
-def dumps_kv(k, v, cfg):
-    """What tq_jax.dumps writes for one sequence's K/V [T, H, D] under the cache's settings."""
-    x = np.stack([k, v])[:, None]
-    if cfg.key_bits == cfg.value_bits:
-        return tq_jax.dumps(x, bits=cfg.key_bits, seed=cfg.seed, rotation=cfg.rotation)
-    return tq_jax.dumps(x, key_bits=cfg.key_bits, value_bits=cfg.value_bits, seed=cfg.seed, rotation=cfg.rotation)
-
-
-def fill(cache, rng, first, second, n_new=16, scale=1.0):
-    """Two ragged appends of n_new-token chunks; returns the cache and each sequence's K, V."""
-    batch = cache.config.batch
-    k = (rng.standard_normal((batch, 2 * n_new, H, D)) * scale).astype(np.float32)
-    v = rng.standard_normal((batch, 2 * n_new, H, D)).astype(np.float32)
-    cache = kvcache.append(cache, k[:, :n_new], v[:, :n_new], new_lengths=np.array(first))
-    cache = kvcache.append(cache, k[:, n_new:], v[:, n_new:], new_lengths=np.array(second))
-    ks = [np.concatenate([k[b, :first[b]], k[b, n_new : n_new + second[b]]]) for b in range(batch)]
-    vs = [np.concatenate([v[b, :first[b]], v[b, n_new : n_new + second[b]]]) for b in range(batch)]
-    return cache, ks, vs
 
 
 # (rotation, key_bits, value_bits, q_heads // kv_heads, page_size, block_tokens, q_len)
@@ -78,8 +41,8 @@ IMPLS = ["xla", "pallas"]  # pallas runs in interpret mode on CPU
 @pytest.mark.parametrize("rotation,kb,vb,group,page_size,block,q_len", CASES)
 def test_attend_matches_dense_attention_over_decoded_blob(rotation, kb, vb, group, page_size, block, q_len, impl):
     rng = np.random.default_rng(kb * 10 + vb)
-    cache = kvcache.init(3, 48, H, D, kb, vb, rotation, seed=11, page_size=page_size, dtype=jnp.float32,
-                         block_tokens=block)
+    cache = kvcache.init(3, 48, H, D, key_bits=kb, value_bits=vb, rotation=rotation, seed=11, page_size=page_size, dtype=jnp.float32,
+                         block_tokens=block, window=0)
     # ragged lengths 32, 27, 25 over two appends, several blocks each (one dumps bucket for all)
     cache, ks, vs = fill(cache, rng, first=[16, 11, 16], second=[16, 16, 9])
     lengths = [len(k) for k in ks]
@@ -98,14 +61,14 @@ def test_attend_matches_dense_attention_over_decoded_blob(rotation, kb, vb, grou
 
 def test_export_is_v1_bytes_and_load_round_trip_keeps_attend_bit_identical():
     rng = np.random.default_rng(1)
-    cache = kvcache.init(3, 48, H, D, 4, 4, "haar", seed=11, dtype=jnp.float32, block_tokens=16)
+    cache = kvcache.init(3, 48, H, D, key_bits=4, value_bits=4, rotation="haar", seed=11, dtype=jnp.float32, block_tokens=16, window=0)
     cache, ks, vs = fill(cache, rng, first=[16, 11, 16], second=[16, 16, 9])
     q = rng.standard_normal((3, 1, H, D)).astype(np.float32)
     blobs = [kvcache.export(cache, seq=b) for b in range(3)]
     for b, blob in enumerate(blobs):
         assert tq_jax.peek_header(blob).version == 1  # the reference's format
         assert blob == tq_jax.dumps(np.stack([ks[b], vs[b]])[:, None], bits=4, seed=11)
-    fresh = kvcache.init(3, 48, H, D, 4, 4, "haar", seed=11, dtype=jnp.float32, block_tokens=16)
+    fresh = kvcache.init(3, 48, H, D, key_bits=4, value_bits=4, rotation="haar", seed=11, dtype=jnp.float32, block_tokens=16, window=0)
     for b in (2, 0, 1):
         fresh = kvcache.load(fresh, blobs[b], seq=b)
     assert np.asarray(fresh.lengths).tolist() == [32, 27, 25]
@@ -115,8 +78,8 @@ def test_export_is_v1_bytes_and_load_round_trip_keeps_attend_bit_identical():
 
 def test_paged_pages_allocate_in_order_and_round_trip_page_by_page():
     rng = np.random.default_rng(2)
-    kw = dict(seed=11, page_size=8, dtype=jnp.float32, block_tokens=16)
-    cache = kvcache.init(3, 48, H, D, 2, 3, "haar", **kw)
+    kw = dict(seed=11, page_size=8, dtype=jnp.float32, block_tokens=16, window=0)
+    cache = kvcache.init(3, 48, H, D, key_bits=2, value_bits=3, rotation="haar", **kw)
     cache, ks, vs = fill(cache, rng, first=[16, 3, 16], second=[16, 0, 11])
     table = np.asarray(cache.page_table)
     # first append: seq 0 takes pages 0,1; seq 1 page 2; seq 2 pages 3,4; second: 5,6 / - / 7,8
@@ -128,7 +91,7 @@ def test_paged_pages_allocate_in_order_and_round_trip_page_by_page():
     pallas = np.asarray(kvcache.attend(cache, q, impl="pallas"))
     assert not pallas[1, :2].any()
     np.testing.assert_allclose(pallas, out, rtol=1e-5, atol=1e-5 * np.abs(out).max())
-    fresh = kvcache.init(3, 48, H, D, 2, 3, "haar", **kw)
+    fresh = kvcache.init(3, 48, H, D, key_bits=2, value_bits=3, rotation="haar", **kw)
     for b in range(3):
         n_pages = -(-len(ks[b]) // 8)
         for i in range(n_pages):
@@ -150,7 +113,7 @@ def test_memory_at_4_bits_is_at_most_0_27_of_bf16():
     bf16 = 2 * 2 * 4096 * 8 * 128 * 2  # K and V, batch 2, 4096 tokens, 8 heads, 128 dims, 2 bytes
     for page_size in (None, 16):
         cache = kvcache.init(batch=2, max_len=4096, kv_heads=8, head_dim=128, key_bits=4, value_bits=4,
-                             rotation="haar", seed=42, page_size=page_size)
+                             rotation="haar", seed=42, page_size=page_size, window=0)
         leaves = jax.tree_util.tree_leaves(cache)
         measured = sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
         assert measured == kvcache.nbytes(cache)
@@ -173,8 +136,8 @@ def test_jit_donated_append_and_attend_do_not_recompile_as_lengths_grow(impl):
     step_jit = jax.jit(step, donate_argnums=0)
     read_jit = jax.jit(read)
     rng = np.random.default_rng(3)
-    kw = dict(seed=11, page_size=16, dtype=jnp.float32, block_tokens=32)  # as a case above: compiled once
-    cache = kvcache.init(3, 48, H, D, 4, 2, "hadamard", **kw)
+    kw = dict(seed=11, page_size=16, dtype=jnp.float32, block_tokens=32, window=0)  # as a case above: compiled once
+    cache = kvcache.init(3, 48, H, D, key_bits=4, value_bits=2, rotation="hadamard", **kw)
     k = rng.standard_normal((3, 16, H, D)).astype(np.float32)
     v = rng.standard_normal((3, 16, H, D)).astype(np.float32)
     q = rng.standard_normal((3, 1, H, D)).astype(np.float32)
@@ -183,7 +146,7 @@ def test_jit_donated_append_and_attend_do_not_recompile_as_lengths_grow(impl):
         out = read_jit(cache, q)
     assert traces == {"append": 1, "attend": 1}
     assert np.asarray(cache.lengths).tolist() == [16, 16, 16]
-    eager = kvcache.append(kvcache.init(3, 48, H, D, 4, 2, "hadamard", **kw), k, v)
+    eager = kvcache.append(kvcache.init(3, 48, H, D, key_bits=4, value_bits=2, rotation="hadamard", **kw), k, v)
     for b in range(3):
         assert kvcache.export(cache, seq=b) == kvcache.export(eager, seq=b)
     np.testing.assert_allclose(np.asarray(out), np.asarray(kvcache.attend(eager, q)), rtol=1e-5, atol=1e-5)
@@ -191,7 +154,7 @@ def test_jit_donated_append_and_attend_do_not_recompile_as_lengths_grow(impl):
 
 def test_jit_append_past_max_len_drops_tokens_and_clamps_length():
     rng = np.random.default_rng(4)
-    cache = kvcache.init(2, 20, H, D, 4, 4, "haar", seed=11, dtype=jnp.float32, block_tokens=16)
+    cache = kvcache.init(2, 20, H, D, key_bits=4, value_bits=4, rotation="haar", seed=11, dtype=jnp.float32, block_tokens=16, window=0)
     k = rng.standard_normal((2, 16, H, D)).astype(np.float32)
     v = rng.standard_normal((2, 16, H, D)).astype(np.float32)
     append = jax.jit(kvcache.append)
@@ -204,7 +167,7 @@ def test_jit_append_past_max_len_drops_tokens_and_clamps_length():
 
 def test_vmap_over_stacked_layer_caches_matches_each_layer():
     rng = np.random.default_rng(5)
-    layers = [kvcache.init(3, 48, H, D, 4, 4, "haar", seed=11, dtype=jnp.float32, block_tokens=16)
+    layers = [kvcache.init(3, 48, H, D, key_bits=4, value_bits=4, rotation="haar", seed=11, dtype=jnp.float32, block_tokens=16, window=0)
               for _ in range(2)]
     k = rng.standard_normal((2, 3, 16, H, D)).astype(np.float32)  # [layer, batch, tokens, H, D]
     v = rng.standard_normal((2, 3, 16, H, D)).astype(np.float32)
@@ -220,21 +183,25 @@ def test_vmap_over_stacked_layer_caches_matches_each_layer():
         np.testing.assert_allclose(out[i], np.asarray(kvcache.attend(one, q[i])), rtol=1e-6, atol=1e-6)
 
 
-def test_shard_map_over_heads_on_four_devices_matches_one_device():
+@pytest.mark.parametrize("window,sinks", [(0, 0), (8, 2)])
+def test_shard_map_over_heads_on_four_devices_matches_one_device(window, sinks):
     code = """
         import jax, jax.numpy as jnp, numpy as np
         from jax.sharding import Mesh, PartitionSpec as P
         from tq_jax import kvcache
         assert len(jax.devices()) == 4
         rng = np.random.default_rng(6)
-        cache = kvcache.init(2, 32, 8, 64, 3, 4, "haar", seed=9, page_size=8, dtype=jnp.float32, block_tokens=16)
+        cache = kvcache.init(2, 32, 8, 64, key_bits=3, value_bits=4, rotation="haar", seed=9, page_size=8,
+                             dtype=jnp.float32, block_tokens=16, window=WINDOW, sinks=SINKS)
         k = rng.standard_normal((2, 16, 8, 64)).astype(np.float32)
         v = rng.standard_normal((2, 16, 8, 64)).astype(np.float32)
         q = rng.standard_normal((2, 2, 16, 64)).astype(np.float32)
         n = np.array([16, 7], np.int32)
         mesh = Mesh(np.array(jax.devices()), ("h",))
         heads = dict(k_codes=P(None, None, "h"), k_norms=P(None, None, "h"), v_codes=P(None, None, "h"),
-                     v_norms=P(None, None, "h"), lengths=P(), page_table=P(), next_page=P(), overflow=P(None, "h"))
+                     v_norms=P(None, None, "h"), lengths=P(), page_table=P(), next_page=P(), overflow=P(None, "h"),
+                     k_window=P(None, None, "h"), v_window=P(None, None, "h"), k_sinks=P(None, None, "h"),
+                     v_sinks=P(None, None, "h"), exact_from=P())
         spec = kvcache.KVCache(config=cache.config, **heads)
         kv = P(None, None, "h")
         app = jax.jit(jax.shard_map(kvcache.append, mesh=mesh, in_specs=(spec, kv, kv, P()), out_specs=spec))
@@ -249,7 +216,8 @@ def test_shard_map_over_heads_on_four_devices_matches_one_device():
     """
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env, capture_output=True,
+    code = f"WINDOW, SINKS = {window}, {sinks}\n" + textwrap.dedent(code)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=180)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
 
@@ -259,7 +227,7 @@ def test_shard_map_over_heads_on_four_devices_matches_one_device():
 
 def test_nan_token_is_stored_as_dumps_stores_it_and_poisons_only_its_readers():
     rng = np.random.default_rng(7)
-    cache = kvcache.init(3, 48, H, D, 4, 4, "haar", seed=11, dtype=jnp.float32, block_tokens=16)
+    cache = kvcache.init(3, 48, H, D, key_bits=4, value_bits=4, rotation="haar", seed=11, dtype=jnp.float32, block_tokens=16, window=0)
     k = rng.standard_normal((3, 16, H, D)).astype(np.float32)
     v = rng.standard_normal((3, 16, H, D)).astype(np.float32)
     k[0, 4, 1, 7] = np.nan
@@ -276,7 +244,7 @@ def test_nan_token_is_stored_as_dumps_stores_it_and_poisons_only_its_readers():
 
 
 def test_norm_overflow_raises_eagerly_and_blocks_export_under_jit():
-    cache = kvcache.init(3, 48, H, D, 4, 4, "haar", seed=11, dtype=jnp.float32, block_tokens=16)
+    cache = kvcache.init(3, 48, H, D, key_bits=4, value_bits=4, rotation="haar", seed=11, dtype=jnp.float32, block_tokens=16, window=0)
     k = np.ones((3, 16, H, D), np.float32)
     k[1, 3, 0] = 1e4  # norm 8e4 > 65504: float16 cannot hold it
     with pytest.raises(tq_jax.NormOverflowError, match="1 appended vector"):
@@ -293,7 +261,7 @@ def test_norm_overflow_raises_eagerly_and_blocks_export_under_jit():
 
 @pytest.fixture(scope="module")
 def small():
-    return kvcache.init(2, 20, H, D, 4, 4, "haar", seed=11, dtype=jnp.float32, block_tokens=16)
+    return kvcache.init(2, 20, H, D, key_bits=4, value_bits=4, rotation="haar", seed=11, dtype=jnp.float32, block_tokens=16, window=0)
 
 
 def test_attend_rejects_bad_query_shapes(small):
@@ -324,7 +292,7 @@ def test_append_rejects_bad_shapes_and_lengths(small):
 
 
 def test_paged_pool_exhaustion_is_refused_eagerly():
-    cache = kvcache.init(2, 32, H, D, 4, 4, "haar", seed=11, page_size=8, num_pages=3, dtype=jnp.float32)
+    cache = kvcache.init(2, 32, H, D, key_bits=4, value_bits=4, rotation="haar", seed=11, page_size=8, num_pages=3, dtype=jnp.float32, window=0)
     x = np.ones((2, 16, H, D), np.float32)
     with pytest.raises(ValueError, match="needs 4 new page"):
         kvcache.append(cache, x, x)
@@ -369,7 +337,7 @@ def test_load_rejects_blobs_of_another_config(small):
 
 
 def test_paged_load_refuses_gaps_and_short_interior_pages():
-    cache = kvcache.init(1, 32, H, D, 4, 4, "haar", seed=11, page_size=8, dtype=jnp.float32)
+    cache = kvcache.init(1, 32, H, D, key_bits=4, value_bits=4, rotation="haar", seed=11, page_size=8, dtype=jnp.float32, window=0)
     blob = blob_of(tq_jax.Header(bits=4, seed=11, shape=(2, 1, 5, H, D), dtype="float32"))
     with pytest.raises(ValueError, match="leave a gap"):
         kvcache.load(cache, blob, seq=0, page=1)
@@ -384,19 +352,19 @@ def test_paged_load_refuses_gaps_and_short_interior_pages():
 
 def test_init_rejects_unpackable_head_dim_and_bad_page_size():
     with pytest.raises(ValueError, match="multiple of 8 at 3 bits"):
-        kvcache.init(1, 8, 1, 100, 3, 4)
+        kvcache.init(1, 8, 1, 100, key_bits=3, value_bits=4, window=0)
     with pytest.raises(ValueError, match="power of two"):
-        kvcache.init(1, 8, 1, 64, 4, 4, page_size=12)
+        kvcache.init(1, 8, 1, 64, key_bits=4, value_bits=4, page_size=12, window=0)
     with pytest.raises(ValueError, match="rotation"):
-        kvcache.init(1, 8, 1, 64, 4, 4, rotation="dct")
+        kvcache.init(1, 8, 1, 64, key_bits=4, value_bits=4, rotation="dct", window=0)
     with pytest.raises(ValueError, match="num_pages"):
-        kvcache.init(1, 8, 1, 64, 4, 4, num_pages=4)
-    assert dataclasses.is_dataclass(kvcache.init(1, 8, 1, 64).config)
+        kvcache.init(1, 8, 1, 64, key_bits=4, value_bits=4, num_pages=4, window=0)
+    assert dataclasses.is_dataclass(kvcache.init(1, 8, 1, 64, window=0).config)
 
 
 def test_default_bfloat16_cache_stores_what_dumps_stores_for_bfloat16_kv():
     rng = np.random.default_rng(10)
-    cache = kvcache.init(2, 20, H, D, 4, 4, "haar", seed=11, block_tokens=16)  # dtype defaults to bfloat16
+    cache = kvcache.init(2, 20, H, D, key_bits=4, value_bits=4, rotation="haar", seed=11, block_tokens=16, window=0)  # dtype defaults to bfloat16
     k = rng.standard_normal((2, 16, H, D)).astype(np.float32)
     v = rng.standard_normal((2, 16, H, D)).astype(np.float32)
     cache = kvcache.append(cache, k, v)  # float32 in: cast to the cache's dtype first
@@ -415,13 +383,13 @@ def test_default_bfloat16_cache_stores_what_dumps_stores_for_bfloat16_kv():
 
 def test_default_block_fills_about_block_bytes_of_float32_keys():
     # the benchmark's shape: 4 x 8 heads x 128 dims x 4 bytes = 16 KiB a token -> 64 tokens = 1 MiB
-    assert kvcache.init(4, 8192, 8, 128).config.block_tokens == 64
-    assert kvcache.init(4, 8192, 8, 128, page_size=16).config.block_tokens == 64  # blocks span pages
-    assert kvcache.init(1, 4096, 3, 64).config.block_tokens == kvcache.BLOCK_TOKENS  # small: the cap
-    assert kvcache.init(64, 64, 32, 256).config.block_tokens == 16  # large: the floor
-    assert kvcache.init(1, 40, 3, 64).config.block_tokens == 64  # never beyond the capacity's power of two
+    assert kvcache.init(4, 8192, 8, 128, window=0).config.block_tokens == 64
+    assert kvcache.init(4, 8192, 8, 128, page_size=16, window=0).config.block_tokens == 64  # blocks span pages
+    assert kvcache.init(1, 4096, 3, 64, window=0).config.block_tokens == kvcache.BLOCK_TOKENS  # small: the cap
+    assert kvcache.init(64, 64, 32, 256, window=0).config.block_tokens == 16  # large: the floor
+    assert kvcache.init(1, 40, 3, 64, window=0).config.block_tokens == 64  # never beyond the capacity's power of two
     for batch, heads, dim in ((4, 8, 128), (2, 8, 64), (1, 3, 64), (8, 16, 128)):
-        block = kvcache.init(batch, 2048, heads, dim).config.block_tokens
+        block = kvcache.init(batch, 2048, heads, dim, window=0).config.block_tokens
         per_token = batch * heads * dim * 4
         assert block * per_token <= kvcache.BLOCK_BYTES or block == 16
         assert 2 * block * per_token > kvcache.BLOCK_BYTES or block == kvcache.BLOCK_TOKENS
@@ -440,8 +408,8 @@ def test_load_of_a_turbo_blob_attends_as_its_decoded_values(preset):
     blob = tq_jax.dumps(np.stack([k, v])[:, None], **opts)
     h = tq_jax.peek_header(blob)
     assert h.norm_bits and h.norm_correction and h.checksum
-    cache = kvcache.init(1, 32, H, D, opts["key_bits"], opts["value_bits"], opts["rotation"], seed=42,
-                         dtype=jnp.float32, block_tokens=16)
+    cache = kvcache.init(1, 32, H, D, key_bits=opts["key_bits"], value_bits=opts["value_bits"], rotation=opts["rotation"], seed=42,
+                         dtype=jnp.float32, block_tokens=16, window=0)
     cache = kvcache.load(cache, blob)
     assert int(cache.lengths[0]) == t
     kv = np.asarray(tq_jax.loads(blob, dtype=jnp.float32))
@@ -460,7 +428,7 @@ def test_load_of_float32_norms_rounds_them_as_dumps_does_for_float16():
     x = rng.standard_normal((2, 1, 9, H, D)).astype(np.float32)
     wide = tq_jax.dumps(x, bits=4, seed=11, norm_dtype="float32")
     assert tq_jax.peek_header(wide).norm_dtype == "float32"
-    cache = kvcache.load(kvcache.init(1, 16, H, D, 4, 4, "haar", seed=11, dtype=jnp.float32), wide)
+    cache = kvcache.load(kvcache.init(1, 16, H, D, key_bits=4, value_bits=4, rotation="haar", seed=11, dtype=jnp.float32, window=0), wide)
     assert kvcache.export(cache) == tq_jax.dumps(x, bits=4, seed=11, norm_dtype="float16")
     huge = tq_jax.dumps(x * 1e4, bits=4, seed=11, norm_dtype="float32")
     with pytest.raises(tq_jax.NormOverflowError, match="exceed float16"):

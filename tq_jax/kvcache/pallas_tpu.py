@@ -31,7 +31,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from tq_jax import codec as _codec
-from tq_jax import kvcache as _kv
+from tq_jax.kvcache import scoring as _scoring
+from tq_jax.kvcache.state import CacheConfig, KVCache
 
 _HI = lax.Precision.HIGHEST
 
@@ -47,7 +48,8 @@ def _select_lookup(idx, centroids: np.ndarray, bits: int):
 
 
 def _kernel(
-    lengths_ref, table_ref, *refs, cfg: _kv.CacheConfig, unit: int, q_len: int, nk: int, nv: int, kc, vc, dim: int
+    lengths_ref, hi_ref, sink_lo_ref, table_ref, *refs, cfg: CacheConfig, unit: int, q_len: int, nk: int, nv: int,
+    kc, vc, dim: int
 ):
     """One unit of one sequence. Refs (after the two scalar-prefetch ones): the ``nk``
     planar query slices ``[H, R, D/nk]``, codes ``[unit, H, rk]``, norms ``[unit, H]``
@@ -62,19 +64,25 @@ def _kernel(
         for a in acc_refs:
             a[...] = jnp.zeros(a.shape, jnp.float32)
 
-    length = lengths_ref[b]
+    length, hi, sink_lo = lengths_ref[b], hi_ref[b], sink_lo_ref[b]
     t0 = j * unit
 
-    @pl.when(t0 < length)
+    def coded(tok):  # scoring.coded_mask without the causal part
+        keep = tok < hi
+        if cfg.sinks:
+            keep &= (tok < sink_lo) | (tok >= cfg.sinks)
+        return keep
+
+    @pl.when(t0 < hi)
     def _step():
         rows = m_ref.shape[1]
         tok = t0 + lax.broadcasted_iota(jnp.int32, (rows, unit), 1)
         last = length - q_len + lax.broadcasted_iota(jnp.int32, (rows, unit), 0) % q_len
-        mask = (tok <= last)[None]  # [1, R, unit]
-        present = (t0 + lax.broadcasted_iota(jnp.int32, (unit, 1), 0)) < length  # [unit, 1]
+        mask = ((tok <= last) & coded(tok))[None]  # [1, R, unit]
+        present = coded(t0 + lax.broadcasted_iota(jnp.int32, (unit, 1), 0))  # [unit, 1]
         kn = jnp.where(present, kn_ref[...].astype(jnp.float32), 0.0).T  # [H, unit]
         vn = jnp.where(present, vn_ref[...].astype(jnp.float32), 0.0).T
-        kidx = _kv._planes(kc_ref[...], cfg.key_bits, dim, nk)  # [unit, H, D/nk] each
+        kidx = _scoring.planes(kc_ref[...], cfg.key_bits, dim, nk)  # [unit, H, D/nk] each
         s = sum(
             jnp.einsum("hrd,thd->hrt", qr[...], _select_lookup(ip, kc, cfg.key_bits), precision=_HI)
             for qr, ip in zip(q_refs, kidx)
@@ -88,19 +96,19 @@ def _kernel(
         l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=-1)
         m_ref[...] = m_new
         pv = p * vn[:, None, :]
-        for a, ip in zip(acc_refs, _kv._planes(vc_ref[...], cfg.value_bits, dim, nv)):
+        for a, ip in zip(acc_refs, _scoring.planes(vc_ref[...], cfg.value_bits, dim, nv)):
             cv = _select_lookup(ip, vc, cfg.value_bits)
             a[...] = alpha[..., None] * a[...] + jnp.einsum("hrt,thd->hrd", pv, cv, precision=_HI)
 
 
-def attend(cache: _kv.KVCache, q, *, interpret: bool):
-    """:func:`tq_jax.kvcache.attend` with the blocks in one Pallas kernel (traceable;
+def partial(cache: KVCache, query: _scoring.Query, *, interpret: bool):
+    """The coded part of :func:`tq_jax.kvcache.attend` in one Pallas kernel:
+    ``(m, l, acc)`` as :func:`tq_jax.kvcache.xla.partial` returns them (traceable;
     shapes checked by the caller)."""
     cfg = cache.config
-    batch, _, _, dim = q.shape
+    batch, dim = cache.lengths.shape[0], cfg.head_dim
     heads = cache.k_codes.shape[2]
-    query = _kv._query(cache, q)
-    rows, nk, nv = query.rows, len(query.parts), _kv._parts(cfg.value_bits)
+    rows, nk, nv = query.rows, len(query.parts), _scoring.parts(cfg.value_bits)
     ps = cfg.page_tokens
     unit = min(ps, cfg.block_tokens)
     per_page = ps // unit
@@ -108,36 +116,38 @@ def attend(cache: _kv.KVCache, q, *, interpret: bool):
     pps = cache.page_table.shape[1]
     units = pps * per_page  # grid steps per sequence
 
-    def block(lengths, table, b, j):
-        """Pool unit of step ``j`` of sequence ``b``; steps past the length repeat the last."""
-        j = jnp.minimum(j, jnp.maximum((lengths[b] + unit - 1) // unit - 1, 0))
+    def block(hi, table, b, j):
+        """Pool unit of step ``j`` of sequence ``b``; steps past the coded tokens repeat the last."""
+        j = jnp.minimum(j, jnp.maximum((hi[b] + unit - 1) // unit - 1, 0))
         page = jnp.maximum(table[b, j // per_page], 0)
         return page * per_page + j % per_page
 
     pool = lambda a: a.reshape(n_units, unit, *a.shape[2:])  # noqa: E731
     kc, vc = _codec.tables(cfg.key_codec).centroids, _codec.tables(cfg.value_codec).centroids
     rk, rv = cache.k_codes.shape[3], cache.v_codes.shape[3]
-    per_seq = lambda *shape: pl.BlockSpec((None, *shape), lambda b, j, n, t: (b,) + (0,) * len(shape))  # noqa: E731
+    per_seq = lambda *shape: pl.BlockSpec((None, *shape), lambda b, j, n, h, s, t: (b,) + (0,) * len(shape))  # noqa: E731
     in_specs = [per_seq(heads, rows, dim // nk) for _ in range(nk)] + [
-        pl.BlockSpec((None, unit, heads, rk), lambda b, j, n, t: (block(n, t, b, j), 0, 0, 0)),
-        pl.BlockSpec((None, unit, heads), lambda b, j, n, t: (block(n, t, b, j), 0, 0)),
-        pl.BlockSpec((None, unit, heads, rv), lambda b, j, n, t: (block(n, t, b, j), 0, 0, 0)),
-        pl.BlockSpec((None, unit, heads), lambda b, j, n, t: (block(n, t, b, j), 0, 0)),
+        pl.BlockSpec((None, unit, heads, rk), lambda b, j, n, h, s, t: (block(h, t, b, j), 0, 0, 0)),
+        pl.BlockSpec((None, unit, heads), lambda b, j, n, h, s, t: (block(h, t, b, j), 0, 0)),
+        pl.BlockSpec((None, unit, heads, rv), lambda b, j, n, h, s, t: (block(h, t, b, j), 0, 0, 0)),
+        pl.BlockSpec((None, unit, heads), lambda b, j, n, h, s, t: (block(h, t, b, j), 0, 0)),
     ]
     out_specs = [per_seq(heads, rows), per_seq(heads, rows)] + [per_seq(heads, rows, dim // nv) for _ in range(nv)]
     out_shape = [jax.ShapeDtypeStruct((batch, heads, rows), jnp.float32)] * 2 + [
         jax.ShapeDtypeStruct((batch, heads, rows, dim // nv), jnp.float32)
     ] * nv
-    kernel = functools.partial(_kernel, cfg=cfg, unit=unit, q_len=q.shape[1], nk=nk, nv=nv, kc=kc, vc=vc, dim=dim)
-    _, l, *acc = pl.pallas_call(
+    kernel = functools.partial(_kernel, cfg=cfg, unit=unit, q_len=query.q_len, nk=nk, nv=nv, kc=kc, vc=vc, dim=dim)
+    m, l, *acc = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(batch, units), in_specs=in_specs, out_specs=out_specs
+            num_scalar_prefetch=4, grid=(batch, units), in_specs=in_specs, out_specs=out_specs
         ),
         out_shape=out_shape,
         interpret=interpret,
     )(
         cache.lengths,
+        query.hi,
+        query.sink_lo,
         cache.page_table,
         *query.parts,
         pool(cache.k_codes),
@@ -145,4 +155,4 @@ def attend(cache: _kv.KVCache, q, *, interpret: bool):
         pool(cache.v_codes),
         pool(cache.v_norms),
     )
-    return _kv._finish(cache, q, jnp.concatenate(acc, axis=-1), l)
+    return m, l, jnp.concatenate(acc, axis=-1)

@@ -1,0 +1,187 @@
+"""tq_jax.kvcache's exact window and sinks: attention reads the last ``window`` tokens
+and the first ``sinks`` exactly and every other token from its codes.
+
+The reference is independent of the cache: dense float64 attention over K/V built from
+the tokens as given (exact positions) and ``tq_jax.loads`` of ``tq_jax.dumps`` of the same
+tokens (the rest), and ``tq_jax.dumps`` for the bytes.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tq_jax
+from kvcache_helpers import D, H, dense_attention, dumps_kv, fill
+from tq_jax import kvcache
+
+
+def reference(ks, vs, cfg, q, exact_from=0):
+    """Dense attention of q [Q, Hq, D] (the sequence's last Q tokens) over K/V whose
+    positions in the window (the last ``window``) or below ``sinks`` are exact and the
+    rest decoded from ``dumps``' codes; positions below ``exact_from`` are decoded."""
+    t = len(ks)
+    dec = np.asarray(tq_jax.loads(dumps_kv(ks, vs, cfg)), np.float64)  # [2, 1, T, H, D]
+    pos = np.arange(t)
+    exact = ((pos >= t - cfg.window) | (pos < cfg.sinks)) & (pos >= exact_from)
+    k = np.where(exact[:, None, None], ks, dec[0, 0])
+    v = np.where(exact[:, None, None], vs, dec[1, 0])
+    return dense_attention(q, k, v)
+
+
+# (rotation, key_bits, value_bits, q_heads // kv_heads, page_size, window, sinks, q_len)
+CASES = [
+    pytest.param("haar", 4, 4, 1, None, 8, 0, 1, id="haar-4/4-gqa1-unpaged-w8-q1"),
+    pytest.param("haar", 2, 3, 4, 8, 5, 2, 3, id="haar-2/3-gqa4-paged8-w5-s2-q3"),
+    pytest.param("hadamard", 4, 2, 3, None, 16, 4, 1, id="hadamard-4/2-gqa3-unpaged-w16-s4-q1"),
+    pytest.param("hadamard", 3, 3, 1, 16, 0, 3, 2, id="hadamard-3/3-gqa1-paged16-sinks-only-q2"),
+]
+IMPLS = ["xla", "pallas"]  # pallas runs in interpret mode on CPU
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("rotation,kb,vb,group,page_size,window,sinks,q_len", CASES)
+def test_attend_reads_window_and_sinks_exactly_and_the_rest_from_codes(
+    rotation, kb, vb, group, page_size, window, sinks, q_len, impl
+):
+    rng = np.random.default_rng(kb * 10 + vb + window)
+    cache = kvcache.init(3, 48, H, D, key_bits=kb, value_bits=vb, rotation=rotation, seed=11, page_size=page_size,
+                         dtype=jnp.float32, block_tokens=16, window=window, sinks=sinks)
+    # ragged lengths 32, 27, 25 over two appends: the window ring wraps, blocks cross its edge
+    cache, ks, vs = fill(cache, rng, first=[16, 11, 16], second=[16, 16, 9])
+    q = rng.standard_normal((3, q_len, H * group, D)).astype(np.float32)
+    out = np.asarray(kvcache.attend(cache, q, impl=impl))
+    for b in range(3):
+        want = reference(ks[b], vs[b], cache.config, q[b])
+        np.testing.assert_allclose(out[b], want, rtol=2e-5, atol=2e-5)
+
+
+def test_window_covering_every_token_is_dense_attention_over_the_tokens():
+    rng = np.random.default_rng(3)
+    cache = kvcache.init(2, 32, H, D, dtype=jnp.float32, window=32, block_tokens=16)
+    cache, ks, vs = fill(cache, rng, first=[16, 3], second=[16, 16])
+    q = rng.standard_normal((2, 2, H * 2, D)).astype(np.float32)
+    out = np.asarray(kvcache.attend(cache, q))
+    for b in range(2):
+        np.testing.assert_allclose(out[b], dense_attention(q[b], ks[b], vs[b]), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("window,sinks", [(0, 0), (8, 2), (48, 0)])
+def test_export_bytes_equal_dumps_whatever_the_window(window, sinks):
+    """Tokens are quantized once, when appended: the window never changes a code."""
+    rng = np.random.default_rng(4)
+    cache = kvcache.init(3, 48, H, D, seed=11, dtype=jnp.float32, window=window, sinks=sinks, block_tokens=16)
+    cache, ks, vs = fill(cache, rng, first=[16, 11, 16], second=[16, 16, 9])
+    before = [kvcache.export(cache, seq=b) for b in range(3)]
+    assert before == [dumps_kv(ks[b], vs[b], cache.config) for b in range(3)]
+    k2 = rng.standard_normal((3, 8, H, D)).astype(np.float32)  # the ring wraps past the exported tokens
+    cache = kvcache.append(cache, k2, k2, new_lengths=np.array([8, 5, 0]))
+    after = [kvcache.export(cache, seq=b) for b in range(3)]
+    assert after[2] == before[2]
+    for b, n in ((0, 8), (1, 5)):
+        ks[b], vs[b] = np.concatenate([ks[b], k2[b, :n]]), np.concatenate([vs[b], k2[b, :n]])
+        assert after[b] == dumps_kv(ks[b], vs[b], cache.config)
+
+
+@pytest.mark.parametrize("page_size", [None, 8])
+def test_decode_loop_compiles_once_over_300_steps_across_ring_wraps(page_size, compiles):
+    rng = np.random.default_rng(5)
+    cache = kvcache.init(2, 320, H, D, seed=3, window=16, sinks=2, page_size=page_size, dtype=jnp.float32,
+                         block_tokens=32)
+    kv = rng.standard_normal((300, 2, 1, H, D)).astype(np.float32)
+    q = rng.standard_normal((2, 1, H * 2, D)).astype(np.float32)
+
+    def step(c, k, v, q):
+        c = kvcache.append(c, k, v)
+        return c, kvcache.attend(c, q)
+
+    step = jax.jit(step, donate_argnums=0)
+    cache, out = step(cache, kv[0], kv[0], q)  # compile once
+    jax.block_until_ready(out)
+    before = compiles.count
+    for i in range(1, 300):
+        cache, out = step(cache, kv[i], kv[i], q)
+    jax.block_until_ready(out)
+    assert compiles.count == before
+    assert np.asarray(cache.lengths).tolist() == [300, 300]
+    ks = kv[:, 0, 0]  # sequence 0's tokens, keys == values
+    np.testing.assert_allclose(np.asarray(out)[0], reference(ks, ks, cache.config, q[0]), rtol=2e-5, atol=2e-5)
+
+
+def test_load_brings_codes_only_then_appends_are_exact():
+    """A loaded sequence has no exact copy: attend reads it from codes, and the window
+    refills with the tokens appended after it."""
+    rng = np.random.default_rng(6)
+    cache = kvcache.init(1, 40, H, D, seed=11, dtype=jnp.float32, window=8, sinks=2, block_tokens=16)
+    k = rng.standard_normal((24, H, D)).astype(np.float32)
+    v = rng.standard_normal((24, H, D)).astype(np.float32)
+    cache = kvcache.load(cache, dumps_kv(k[:20], v[:20], cache.config), seq=0)
+    q = rng.standard_normal((1, 1, H, D)).astype(np.float32)
+    out = np.asarray(kvcache.attend(cache, q))[0]
+    np.testing.assert_allclose(out, reference(k[:20], v[:20], cache.config, q[0], exact_from=20), rtol=2e-5, atol=2e-5)
+    cache = kvcache.append(cache, k[None, 20:], v[None, 20:])
+    out = np.asarray(kvcache.attend(cache, q))[0]
+    np.testing.assert_allclose(out, reference(k, v, cache.config, q[0], exact_from=20), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("preset", ["turbo-3.5", "turbo-2.5"])
+def test_presets_by_name_read_what_a_norm_corrected_blob_decodes_to(preset):
+    rng = np.random.default_rng(7)
+    cache = kvcache.init(2, 32, H, D, options=preset, dtype=jnp.float32, window=0, block_tokens=16)
+    want = tq_jax.PRESETS[preset]
+    cfg = cache.config
+    assert (cfg.key_bits, cfg.value_bits, cfg.rotation, cfg.norm_correction) == (
+        want["key_bits"], want["value_bits"], want["rotation"], True)
+    cache, ks, vs = fill(cache, rng, first=[16, 9], second=[16, 16])
+    q = rng.standard_normal((2, 1, H * 3, D)).astype(np.float32)
+    out = np.asarray(kvcache.attend(cache, q))
+    for b in range(2):
+        # the preset's decoder (norm correction; float32 norms: the cache keeps float16 norms, not log codes)
+        blob = tq_jax.dumps(np.stack([ks[b], vs[b]])[:, None], key_bits=cfg.key_bits, value_bits=cfg.value_bits,
+                            rotation=cfg.rotation, norm_correction=True, norm_dtype="float32", seed=cfg.seed)
+        dec = np.asarray(tq_jax.loads(blob), np.float64)
+        np.testing.assert_allclose(out[b], dense_attention(q[b], dec[0, 0], dec[1, 0]), rtol=2e-3, atol=2e-3)
+        # export folds the correction into float16 norms: loads gives what attend reads
+        dec2 = np.asarray(tq_jax.loads(kvcache.export(cache, seq=b)), np.float64)
+        np.testing.assert_allclose(out[b], dense_attention(q[b], dec2[0, 0], dec2[1, 0]), rtol=2e-5, atol=2e-5)
+
+
+def test_centroid_norms_match_the_length_of_the_decoded_unit_vector():
+    from tq_jax import codec
+    from tq_jax.kvcache import scoring
+
+    rng = np.random.default_rng(8)
+    for bits, rotation in ((2, "haar"), (3, "hadamard"), (4, "haar")):
+        cfg = codec.CodecConfig(D, bits, 5, rotation)
+        enc = codec.encode(jnp.asarray(rng.standard_normal((50, D)), jnp.float32), cfg)
+        unit = codec.decode(codec.Encoded(enc.packed, jnp.ones(50, jnp.float32)), cfg, jnp.float32)
+        want = np.linalg.norm(np.asarray(unit, np.float64), axis=-1)
+        np.testing.assert_allclose(np.asarray(scoring.centroid_norms(enc.packed, cfg)), want, rtol=1e-5)
+
+
+def test_default_window_and_memory_at_8k_and_32k_tokens():
+    """The window costs its tokens at full width and nothing else per token."""
+    for tokens, bound in ((8192, 0.285), (32768, 0.265)):
+        cache = kvcache.init(1, tokens, 8, 128)
+        assert cache.config.window == kvcache.DEFAULT_WINDOW
+        bf16 = 2 * tokens * 8 * 128 * 2
+        assert kvcache.nbytes(cache) <= bound * bf16
+        assert kvcache.nbytes(cache) - kvcache.nbytes(kvcache.init(1, tokens, 8, 128, window=0)) == (
+            2 * kvcache.DEFAULT_WINDOW * 8 * 128 * 2)
+    assert kvcache.init(1, 40, 2, 64).config.window == 40  # a short cache: the window is all of it
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(window=65), r"`window` must be an int in 0..max_len=64"),
+    (dict(window=-1), r"`window` must be an int in 0..max_len=64"),
+    (dict(window=2.5), r"`window` must be an int"),
+    (dict(sinks=-2), r"`sinks` must be an int in 0..max_len=64"),
+    (dict(sinks=65), r"`sinks` must be an int in 0..max_len=64"),
+    (dict(options="turbo-9"), r"`options` names no preset: 'turbo-9'"),
+    (dict(options=3), r"`options` must be None, a preset name or a tq_jax.Options"),
+    (dict(options="k4v3-edges"), r"raw layers"),
+    (dict(key_bits=9), r"`key_bits` must be an int in 1..8"),
+])
+def test_bad_window_sinks_and_options_are_clear_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        kvcache.init(1, 64, H, D, **kwargs)
