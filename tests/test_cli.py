@@ -15,13 +15,11 @@ from tq_jax import batch
 from tq_jax import cli
 from tq_jax import safetensors_io as st
 
+from conftest import mean_cosine
+
 HD = 128
 
 
-def _cos(a, b):
-    a = np.asarray(a, np.float32).reshape(-1, a.shape[-1])
-    b = np.asarray(b, np.float32).reshape(-1, b.shape[-1])
-    return float(np.mean(np.sum(a * b, 1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))))
 
 
 def _tensors():
@@ -82,7 +80,7 @@ def test_roundtrip_restores_names_shapes_dtypes(tmp_path, infile, capsys):
     for k in ("wide", "ids", "mask", "f64"):  # passed through bit for bit
         assert got[k].tobytes() == orig[k].tobytes()
     for k in ("kv", "k16", "f32"):
-        assert _cos(got[k], orig[k]) >= 0.99, k
+        assert mean_cosine(got[k], orig[k]) >= 0.99, k
     assert _listing(tmp_path) == ["back.safetensors", "c.safetensors", "in.safetensors"]
 
 
@@ -120,7 +118,7 @@ def test_all_splits_heads(tmp_path, infile):
     assert tq_jax.peek_header(comp["wide"]).shape == (4, 2, HD)
     assert run("decompress", out, back, "-q") == 0
     got = st.load_file(back)[0]
-    assert got["wide"].shape == (4, 2 * HD) and _cos(got["wide"].reshape(-1, HD), _tensors()["wide"].reshape(-1, HD)) > 0.99
+    assert got["wide"].shape == (4, 2 * HD) and mean_cosine(got["wide"].reshape(-1, HD), _tensors()["wide"].reshape(-1, HD)) > 0.99
 
 
 def test_options_reach_the_blobs(tmp_path, infile):
@@ -152,8 +150,8 @@ def test_v2_options_per_group_and_raw_layers(tmp_path, infile, capsys, chunk_mb)
     # The first and last layers (axis 1) of K and V are stored raw: exact.
     for layer in (0, 2):
         assert got[:, layer].tobytes() == x[:, layer].tobytes()
-    assert _cos(got[0, 1], x[0, 1]) > 0.99 and _cos(got[1, 1], x[1, 1]) > 0.97
-    assert _cos(got[0, 1], x[0, 1]) > _cos(got[1, 1], x[1, 1])  # keys got more bits
+    assert mean_cosine(got[0, 1], x[0, 1]) > 0.99 and mean_cosine(got[1, 1], x[1, 1]) > 0.97
+    assert mean_cosine(got[0, 1], x[0, 1]) > mean_cosine(got[1, 1], x[1, 1])  # keys got more bits
     assert run("inspect", out) == 0
     row = next(ln.split() for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("kv "))
     assert row[4] == "4/3" and row[6] == "2" and "hadamard," in row and "crc32" in row
@@ -188,7 +186,7 @@ def test_npy_and_npz(tmp_path):
                 np.testing.assert_array_equal(z["ids"], np.arange(3))
         else:
             y = st.load_file(back)[0]["a"]
-        assert y.dtype == x.dtype and y.shape == x.shape and _cos(y, x) > 0.99
+        assert y.dtype == x.dtype and y.shape == x.shape and mean_cosine(y, x) > 0.99
 
 
 def test_several_inputs_into_a_directory(tmp_path, infile):
@@ -369,7 +367,7 @@ def test_norms_beyond_float16(tmp_path, capsys):
     assert run("decompress", out, back, "-q") == 0
     got = st.load_file(back)[0]["big"]
     # (decoded norms run a little short of the input's at 4 bits: ||centroid vector|| < 1)
-    assert _cos(got, x) > 0.99 and np.allclose(np.linalg.norm(got, axis=1), np.linalg.norm(x, axis=1), rtol=0.05)
+    assert mean_cosine(got, x) > 0.99 and np.allclose(np.linalg.norm(got, axis=1), np.linalg.norm(x, axis=1), rtol=0.05)
 
 
 def test_usage_errors_exit_2(capsys):
@@ -429,7 +427,7 @@ def test_reference_decodes_compressed_entries(tmp_path, infile):
         parts.append(t.float().numpy().reshape(-1))
         off += n
     theirs = np.concatenate(parts).reshape(2, 3, 16, 4, HD)
-    assert _cos(theirs, _tensors()["kv"]) > 0.99
+    assert mean_cosine(theirs, _tensors()["kv"]) > 0.99
 
 
 # --------------------------------------------------------------------------- bench

@@ -1,4 +1,4 @@
-"""First-hour rough edges of the tq-jax command (issue 15): file modes, --all pass-through,
+"""First-hour rough edges of the tq-jax command: file modes, --all pass-through,
 raw-layer presets that cover a whole tensor, third-party log noise, small messages."""
 
 import io
@@ -19,6 +19,8 @@ from tq_jax import bench
 from tq_jax import cli
 from tq_jax import safetensors_io as st
 
+from conftest import mean_cosine
+
 HD = 128
 
 
@@ -26,10 +28,6 @@ def run(*argv):
     return cli.main([str(a) for a in argv])
 
 
-def _cos(a, b):
-    a = np.asarray(a, np.float32).reshape(-1, HD)
-    b = np.asarray(b, np.float32).reshape(-1, HD)
-    return float(np.mean(np.sum(a * b, 1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))))
 
 
 def _kv(layers=3):
@@ -103,7 +101,7 @@ def test_all_passes_through_what_tq01_cannot_encode(tmp_path, capsys):
     got = st.load_file(back)[0]
     assert got["scale"].tobytes() == scale.tobytes() and got["scale"].dtype == np.float32
     assert got["f64"].tobytes() == np.ones((2, HD)).tobytes()
-    assert got["kv"].shape == kv.shape and _cos(got["kv"], kv) > 0.99
+    assert got["kv"].shape == kv.shape and mean_cosine(got["kv"], kv) > 0.99
 
 
 def test_without_all_a_head_dim_tensor_of_another_dtype_is_still_an_error(tmp_path, capsys):

@@ -10,15 +10,11 @@ from tq_jax import _kernels as kernels  # the kernels alone, through their own n
 from tq_jax import blob, codebook, codec, packing
 from tq_jax import rotation as rotation_mod
 
-from conftest import sweep
+from conftest import cosine, sweep
 
 W1 = (2, 32, 256, 8, 128)  # one LLaMA-3-8B LMCache chunk, per head
 
 
-def cosine(a, b):
-    a = np.asarray(a, np.float32).reshape(-1, a.shape[-1])
-    b = np.asarray(b, np.float32).reshape(-1, b.shape[-1])
-    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,8 @@ import tq_jax
 from tq_jax import norms as log_norms
 from tq_jax import wire
 
+from conftest import cosine
+
 PRESET_BUDGET = {"turbo-3.5": 3.6, "turbo-2.5": 2.6}
 
 
@@ -26,10 +28,6 @@ def kv(shape, dtype=jnp.bfloat16, seed=0):
     return x.astype(dtype)
 
 
-def cosine(a, b):
-    a = np.asarray(a, np.float32).reshape(-1, a.shape[-1])
-    b = np.asarray(b, np.float32).reshape(-1, b.shape[-1])
-    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
 @pytest.mark.parametrize("name", sorted(PRESET_BUDGET))

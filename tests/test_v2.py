@@ -11,13 +11,11 @@ import pytest
 import tq_jax
 from tq_jax import codebook, codec, rotation, wire
 
+from conftest import cosine
+
 SHAPE = (2, 5, 3, 2, 16)  # [K/V, layers, tokens, heads, head_dim]
 
 
-def cosine(a, b):
-    a = np.asarray(a, np.float32).reshape(-1, a.shape[-1])
-    b = np.asarray(b, np.float32).reshape(-1, b.shape[-1])
-    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
 def kv(shape=SHAPE, dtype=jnp.bfloat16, seed=0):
