@@ -93,3 +93,29 @@ def test_bridge_is_an_attribute_where_lmcache_is_installed():
         pytest.skip("the lmcache extra is not installed")
     code = "import tq_jax; assert tq_jax.bridge.register is not None"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_python_floor_is_what_the_code_needs():
+    """pyproject's requires-python admits no Python the sources or tests cannot run on:
+    every file parses with that version's grammar, and the standard-library modules
+    they import exist there (tomllib, which conftest reads pyproject.toml with, is 3.11)."""
+    import ast
+    import re
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = tomllib.loads((root / "pyproject.toml").read_text())["project"]["requires-python"]
+    floor = tuple(int(x) for x in re.fullmatch(r">=\s*(\d+)\.(\d+)", spec).groups())
+    new_in = {"tomllib": (3, 11)}  # stdlib modules newer than 3.10 that anything imports
+    files = [p for d in ("tq_jax", "bridge", "tests", "benchmarks", "tools") for p in (root / d).rglob("*.py")
+             if "bridge" not in p.relative_to(root).parts[1:2] or d != "tq_jax"]
+    assert len(files) > 50
+    for path in files:
+        tree = ast.parse(path.read_text(), str(path), feature_version=floor)
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+            for name in names:
+                need = new_in.get(name.split(".")[0])
+                assert need is None or need <= floor, f"{path}: imports {name} (Python {need}), floor {floor}"
