@@ -2,8 +2,8 @@
 
 `encode`/`decode` build their tables on first use and cache them process-wide. If the
 first use happens while JAX traces a user's function, nothing traced may reach that
-cache: a stored tracer breaks every later trace, eager call and blob (issue 15,
-`UnexpectedTracerError`). Each test starts from an empty table cache so the first
+cache: a stored tracer breaks every later trace, eager call and blob
+(`UnexpectedTracerError`). Each test starts from an empty table cache so the first
 fill happens inside the transformation under test, then checks every later use
 against an independent eager computation done in a fresh process state (results are
 compared bit for bit: the same program pieces run either way).
