@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
 import jax
@@ -32,18 +31,11 @@ import numpy as np
 import tq_jax
 from tq_jax import blocks
 from tq_jax import resident as resident_mod
+from timing import best_of
 
 W1 = (2, 32, 256, 8, 128)
 
 
-def best_of(fn, reps=3):
-    jax.block_until_ready(fn())
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        ts.append(time.perf_counter() - t0)
-    return min(ts) * 1e3
 
 
 def forced(flag):

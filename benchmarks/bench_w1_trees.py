@@ -27,9 +27,11 @@ W1 = (2, 32, 256, 8, 128)
 
 # Runs in the child process, against whichever tq_jax PYTHONPATH names.
 _CHILD = r"""
-import hashlib, json, sys, time
+import hashlib, json, sys
 import jax, jax.numpy as jnp, numpy as np
 import tq_jax
+sys.path.insert(0, sys.argv[1])  # benchmarks/, for timing.py
+from timing import best_of
 
 W1 = (2, 32, 256, 8, 128)
 x = np.random.default_rng(0).standard_normal(W1, np.float32).astype(jnp.bfloat16)
@@ -40,14 +42,6 @@ m = np.random.default_rng(1).standard_normal((128, 128)).astype(np.float32)
 gemm = jax.jit(lambda a: a @ m)
 vj = jax.device_put(v)
 
-def best_of(fn, reps=3):
-    jax.block_until_ready(fn())
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        ts.append(time.perf_counter() - t0)
-    return min(ts) * 1e3
 
 opts = {
     "v1 4-bit haar": dict(bits=4),
@@ -72,7 +66,7 @@ print(json.dumps({"times": out, "digests": digests}))
 
 def run_tree(tree: str) -> dict:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, cwd=tree,
+    r = subprocess.run([sys.executable, "-c", _CHILD, os.path.dirname(os.path.abspath(__file__))], env=env, capture_output=True, text=True, cwd=tree,
                        check=True)
     return json.loads(r.stdout.strip().splitlines()[-1])
 
