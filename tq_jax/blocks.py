@@ -60,6 +60,7 @@ ALIGN = 64
 # few enough that a large input never has more than a few blocks' worth of copies alive.
 IN_FLIGHT = 4
 
+
 def bucket(n: int) -> int:
     """Smallest size >= n of the form 2**k or 3 * 2**(k-1), and at least 8."""
     n = max(int(n), MIN_BUCKET)
@@ -90,7 +91,6 @@ def aligned_empty(shape, dtype) -> np.ndarray:
     raw = np.empty(nbytes + ALIGN, np.uint8)
     off = (-raw.ctypes.data) % ALIGN
     return raw[off : off + nbytes].view(dtype).reshape(shape)
-
 
 
 def device_list(device) -> list:
@@ -161,7 +161,6 @@ class Staging:
         buf[:n] = block
         buf[n:] = 0
         return buf
-
 
 
 def encode_blocks(put, n_vec: int, cfg: _codec.CodecConfig, block: int, devices, fetch):

@@ -11,7 +11,7 @@ reference's, version 2 otherwise.
 ``dataclasses.field(metadata=field_metadata(...))`` holds its help text, the TQ01
 version a non-default value needs and its allowed values. Validation here, the LMCache
 bridge's option table (:func:`tq_jax.bridge.registry.option_table`) and the
-``tq-jax compress`` flags (:func:`tq_jax.cli.build_parser`) are generated from
+``tq-jax compress`` flags (:mod:`tq_jax.flags`) are generated from
 ``dataclasses.fields(Options)``: a new option is a new field (plus, when blobs must
 record it, its header field in :mod:`tq_jax.wire` and its use in the codec).
 """

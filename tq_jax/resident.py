@@ -1,6 +1,6 @@
 """The device-resident path of :mod:`tq_jax.blob`: data on an accelerator stays there.
 
-Data on an accelerator stays there. A jax.Array on one device is encoded there: one
+A jax.Array on one device is encoded there: one
 program cuts its blocks on the device (the last one padded to its bucket, so every
 block has the shape the host path gives it and the bytes are the same), they run
 through the host path's block kernels, and only the packed results and the raw
@@ -13,8 +13,6 @@ the result without a copy, so it already keeps the data where it lives, and it
 pipelines blocks with bounded memory. CPU devices therefore take it; tests set
 :data:`ON_CPU` to run the accelerator path on CPU devices.
 (benchmarks/results/device_path_cpu.md has the measurements behind this choice.)
-
-_RESIDENT_ON_CPU = False
 
 The public API stays :func:`tq_jax.dumps` / :func:`tq_jax.loads`: :mod:`tq_jax.blob`
 asks :func:`takes` whether a device's data come here and calls :func:`encode` /

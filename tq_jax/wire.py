@@ -286,7 +286,7 @@ class NormCodes(NamedTuple):
 
     ``ranges`` float32 (groups, 2): (lo, hi) = ln of the smallest positive and largest
     norm of each group; ``codes`` uint8: the LSB-first stream of ``count`` codes of
-    ``bits`` bits (``tq_jax.codec.decode_log_norms`` turns them into norms).
+    ``bits`` bits (``tq_jax.norms.decode_log_norms`` turns them into norms).
     """
 
     ranges: np.ndarray
