@@ -15,7 +15,7 @@ from tq_jax import batch
 from tq_jax import cli
 from tq_jax import safetensors_io as st
 
-from conftest import mean_cosine
+from conftest import mean_cosine, sweep
 
 HD = 128
 
@@ -131,7 +131,9 @@ def test_options_reach_the_blobs(tmp_path, infile):
 NOT_KV = ("--exclude", "k16", "--exclude", "f32", "--exclude", "empty")
 
 
-@pytest.mark.parametrize("chunk_mb", [64, 0.005])
+# Quick tier: one blob per tensor; many small chunks (0.005 MiB) are slow
+# (test_chunked_blobs_decode_like_one_blob keeps chunking quick).
+@pytest.mark.parametrize("chunk_mb", sweep([64, 0.005]))
 def test_v2_options_per_group_and_raw_layers(tmp_path, infile, capsys, chunk_mb):
     flags = ["--key-bits", 4, "--value-bits", 3, "--skip-first-layers", 1, "--skip-last-layers", 1,
              "--rotation", "hadamard", "--checksum", "--norm-correction", "-q"]
@@ -433,6 +435,7 @@ def test_reference_decodes_compressed_entries(tmp_path, infile):
 # --------------------------------------------------------------------------- bench
 
 
+@pytest.mark.slow  # seconds of reference runs and charts; .ci/run runs the full `tq-jax bench` too
 def test_bench_quick_writes_table_and_charts(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out = tmp_path / "bench"

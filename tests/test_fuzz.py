@@ -324,6 +324,7 @@ def merged(shape):
     return tuple(shape[:-2]) + (shape[-2] * shape[-1],) if len(shape) >= 2 else tuple(shape)
 
 
+@pytest.mark.slow  # torch + LMCache MemoryObjs per example; tools/fuzz_long.py runs it at length
 @settings(FUZZ, max_examples=400)
 @given(case=mutated(), junk=st.binary(max_size=48))
 def test_bridge_deserialize_under_mutation(bridge, case, junk):

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def test_import_tq_jax_does_not_import_torch_or_lmcache():
     code = (
@@ -84,12 +86,11 @@ def test_submodules_are_attributes_loaded_on_first_use():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+@pytest.mark.slow  # a fresh process importing torch and LMCache; the kvcache test above is the same path
 def test_bridge_is_an_attribute_where_lmcache_is_installed():
     import importlib.util
 
     if importlib.util.find_spec("lmcache") is None:
-        import pytest
-
         pytest.skip("the lmcache extra is not installed")
     code = "import tq_jax; assert tq_jax.bridge.register is not None"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
