@@ -3,9 +3,10 @@
 W1 = [2, 32, 256, 8, 128] bfloat16 Gaussian (33.5 MB). Each round runs every tree in a
 fresh process (``PYTHONPATH`` set to the tree, so ``import tq_jax`` is that tree's),
 alternating which tree goes first; within a process each case is warmed up, then timed
-best of 3. The table holds the median over rounds per tree and the median of the
-per-round ratios (after / before). memcpy and a float32 GEMM of W1's vectors by a
-128 x 128 matrix are timed in the same processes as yardsticks of the machine's drift.
+best of ``--reps`` (3), by wall clock and by the process's CPU time. The table holds the
+median over rounds per tree and the median of the per-round ratios (after / before).
+memcpy and a float32 GEMM of W1's vectors by a 128 x 128 matrix are timed in the same
+processes as yardsticks of the machine's drift.
 Both trees' blobs are checked byte-identical on W1 for every case.
 
     python benchmarks/bench_w1_trees.py BEFORE_TREE AFTER_TREE --rounds 6 --out benchmarks/results/X.md
@@ -31,7 +32,10 @@ import hashlib, json, sys
 import jax, jax.numpy as jnp, numpy as np
 import tq_jax
 sys.path.insert(0, sys.argv[1])  # benchmarks/, for timing.py
-from timing import best_of
+from timing import best_wall_and_cpu
+
+REPS = int(sys.argv[2])
+best_of = lambda fn: best_wall_and_cpu(fn, REPS)  # noqa: E731
 
 W1 = (2, 32, 256, 8, 128)
 x = np.random.default_rng(0).standard_normal(W1, np.float32).astype(jnp.bfloat16)
@@ -64,9 +68,9 @@ print(json.dumps({"times": out, "digests": digests}))
 """
 
 
-def run_tree(tree: str) -> dict:
+def run_tree(tree: str, reps: int) -> dict:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, "-c", _CHILD, os.path.dirname(os.path.abspath(__file__))], env=env, capture_output=True, text=True, cwd=tree,
+    r = subprocess.run([sys.executable, "-c", _CHILD, os.path.dirname(os.path.abspath(__file__)), str(reps)], env=env, capture_output=True, text=True, cwd=tree,
                        check=True)
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -76,16 +80,18 @@ def main(argv=None) -> int:
     ap.add_argument("before", help="the tree measured as 'before'")
     ap.add_argument("after", help="the tree measured as 'after'")
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--reps", type=int, default=3, help="timed calls per case in a process (the best counts)")
     ap.add_argument("--label", default="", help="what the two trees are, for the table's heading")
     ap.add_argument("--out", help="write the Markdown table here")
     args = ap.parse_args(argv)
 
     runs = {"before": [], "after": []}
+    load0 = os.getloadavg()[0]
     t0 = time.time()
     for i in range(args.rounds):
         order = ("before", "after") if i % 2 == 0 else ("after", "before")
         for which in order:
-            runs[which].append(run_tree(getattr(args, which)))
+            runs[which].append(run_tree(getattr(args, which), args.reps))
         print(f"round {i + 1}/{args.rounds} done ({time.time() - t0:.0f} s)", file=sys.stderr)
     digests = {w: {json.dumps(r["digests"], sort_keys=True) for r in rs} for w, rs in runs.items()}
     same = digests["before"] == digests["after"] and len(digests["before"]) == 1
@@ -94,18 +100,25 @@ def main(argv=None) -> int:
         f"# W1 before vs after{': ' + args.label if args.label else ''}",
         "",
         f"{args.rounds} rounds, alternating which tree runs first, each tree in a fresh process per round "
-        f"(PYTHONPATH to the tree), best of 3 per case and round; medians over rounds, and the median of the "
+        f"(PYTHONPATH to the tree), best of {args.reps} per case and round; medians over rounds, and the median of the "
         f"per-round after/before ratios. W1 = {list(W1)} bf16 Gaussian. Blobs byte-identical between the trees "
-        f"for every case: {'yes' if same else 'NO'}.",
+        f"for every case: {'yes' if same else 'NO'}. Load average (1 min) {load0:.1f} at the start, "
+        f"{os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} CPUs; {time.time() - t0:.0f} s in all.",
         "",
-        "| case | before ms | after ms | after/before (median of rounds) |",
-        "|---|---|---|---|",
+        "Wall: milliseconds by the clock; CPU: this process's CPU time over all its threads, which moves "
+        "less than wall time when other jobs share the machine.",
+        "",
+        "| case | before wall ms | after wall ms | after/before wall | before CPU ms | after CPU ms | after/before CPU |",
+        "|---|---|---|---|---|---|---|",
     ]
     for c in cases:
-        b = [r["times"][c] for r in runs["before"]]
-        a = [r["times"][c] for r in runs["after"]]
-        ratio = statistics.median(x / y for x, y in zip(a, b))
-        lines.append(f"| {c} | {statistics.median(b):.1f} | {statistics.median(a):.1f} | {ratio:.3f} |")
+        cells = []
+        for k in (0, 1):  # wall, CPU
+            b = [r["times"][c][k] for r in runs["before"]]
+            a = [r["times"][c][k] for r in runs["after"]]
+            ratio = statistics.median(x / y for x, y in zip(a, b))
+            cells += [f"{statistics.median(b):.1f}", f"{statistics.median(a):.1f}", f"{ratio:.3f}"]
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
