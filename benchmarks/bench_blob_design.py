@@ -21,7 +21,7 @@ import numpy as np
 
 import tq_jax
 from bench_device_path import best_of  # this directory is on sys.path when run as a script
-from tq_jax import blob
+from tq_jax import blocks
 
 W1 = (2, 32, 256, 8, 128)
 
@@ -40,7 +40,7 @@ def per_call_us(fn, reps=200):
 def main():
     dev = jax.devices()[0]
     rows = []
-    block = blob._aligned_empty((4096, 128), jnp.bfloat16)  # 64-byte aligned: shared, not copied, on CPU
+    block = blocks.aligned_empty((4096, 128), jnp.bfloat16)  # 64-byte aligned: shared, not copied, on CPU
     block[...] = 0
     ident = jax.jit(lambda x: x[0, 0])
     rows.append(("jitted call, numpy block as argument", per_call_us(lambda: ident(block).block_until_ready()), "µs"))
@@ -50,7 +50,7 @@ def main():
     raw = np.zeros(4096 * 128 * 2 + 64 + 1, np.uint8)
     off = 1 if raw.ctypes.data % 64 else 2  # deliberately not 64-byte aligned
     src = raw[off : off + 4096 * 128 * 2].view(jnp.bfloat16).reshape(4096, 128)
-    dst = blob._aligned_empty(src.shape, src.dtype)
+    dst = blocks.aligned_empty(src.shape, src.dtype)
     rows.append(("numpy copy of an unaligned 1 MiB block into an aligned buffer",
                  per_call_us(lambda: np.copyto(dst, src), 50), "µs"))
     rows.append(("XLA's copy of the same unaligned block (jnp.asarray)",

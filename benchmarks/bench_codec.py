@@ -100,7 +100,7 @@ def main(argv=None):
     # taken minutes apart. Ratios to memcpy are median / median over all rounds.
     # The compute floor: the rotation alone, a float32 (n, 128) @ (128, 128) GEMM over
     # W1 in tq_jax's blocks (XLA's CPU GEMM is at the FMA peak here), once per round.
-    block = tq_jax.blob._block_vectors(shape[-1], None, [None])  # the default device's
+    block = tq_jax.blocks.block_vectors_for(shape[-1], None, [None])  # the default device's
     gemm_blocks = [
         jnp.asarray(np.random.default_rng(1).standard_normal((block, shape[-1]), np.float32))
         for _ in range(max(1, x.size // shape[-1] // block))

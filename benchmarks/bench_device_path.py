@@ -10,7 +10,7 @@ Paths:
 - host: the pipelined host path (numpy input; ``loads`` into an aligned host buffer).
 - resident: a jax.Array is cut into blocks on its device and only packed bytes come
   back; ``loads(device=d)`` decodes and assembles on ``d``. This is what an
-  accelerator takes; on the CPU backend it is forced here (``blob._RESIDENT_ON_CPU``).
+  accelerator takes; on the CPU backend it is forced here (``resident.ON_CPU``).
 - XLA concatenate: the resident decode's assembly step alone (its blocks' results
   joined into the tensor by one jitted program).
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
 import jax
@@ -30,32 +29,26 @@ import jax.numpy as jnp
 import numpy as np
 
 import tq_jax
-from tq_jax import blob
+from tq_jax import blocks
+from tq_jax import resident as resident_mod
+from timing import best_of
 
 W1 = (2, 32, 256, 8, 128)
 
 
-def best_of(fn, reps=3):
-    jax.block_until_ready(fn())
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        ts.append(time.perf_counter() - t0)
-    return min(ts) * 1e3
 
 
-def resident(flag):
-    """Call fn with blob._RESIDENT_ON_CPU set to flag (the accelerator path on CPU)."""
+def forced(flag):
+    """Call fn with resident.ON_CPU set to flag (the accelerator path on CPU)."""
 
     def wrap(fn):
         def call():
-            old = blob._RESIDENT_ON_CPU
-            blob._RESIDENT_ON_CPU = flag
+            old = resident_mod.ON_CPU
+            resident_mod.ON_CPU = flag
             try:
                 return fn()
             finally:
-                blob._RESIDENT_ON_CPU = old
+                resident_mod.ON_CPU = old
 
         return call
 
@@ -72,15 +65,15 @@ def cases(dev):
     }
     for name, opts in (("v1 4-bit", tq_jax.Options.make(4)), ("turbo-3.5", tq_jax.Options.make(**tq_jax.PRESETS["turbo-3.5"]))):
         b = tq_jax.dumps(x, options=opts)
-        assert resident(True)(lambda: tq_jax.dumps(xd, options=opts))() == b
+        assert forced(True)(lambda: tq_jax.dumps(xd, options=opts))() == b
         out[f"{name} dumps(numpy)"] = lambda opts=opts: tq_jax.dumps(x, options=opts, device=dev)
         out[f"{name} dumps(jax.Array), default path"] = lambda opts=opts: tq_jax.dumps(xd, options=opts)
-        out[f"{name} dumps(jax.Array), resident"] = resident(True)(lambda opts=opts: tq_jax.dumps(xd, options=opts))
+        out[f"{name} dumps(jax.Array), resident"] = forced(True)(lambda opts=opts: tq_jax.dumps(xd, options=opts))
         out[f"{name} loads(device=d), default path"] = lambda b=b: tq_jax.loads(b, device=dev)
-        out[f"{name} loads(device=d), resident"] = resident(True)(lambda b=b: tq_jax.loads(b, device=dev))
-        out[f"{name} loads(device=d), host buffer"] = resident(False)(lambda b=b: tq_jax.loads(b, device=[dev]))
+        out[f"{name} loads(device=d), resident"] = forced(True)(lambda b=b: tq_jax.loads(b, device=dev))
+        out[f"{name} loads(device=d), host buffer"] = forced(False)(lambda b=b: tq_jax.loads(b, device=[dev]))
     # the resident decode's assembly alone: 4096-vector bf16 blocks joined by XLA
-    block = blob._block_vectors(W1[-1], None, [dev])
+    block = blocks.block_vectors_for(W1[-1], None, [dev])
     parts = tuple(jax.device_put(np.zeros((block, W1[-1]), jnp.bfloat16), dev) for _ in range(x.size // W1[-1] // block))
     cat = jax.jit(lambda ps: jnp.concatenate(ps))
     out[f"XLA concatenate of {len(parts)} decoded blocks (W1)"] = lambda: cat(parts)
@@ -117,7 +110,7 @@ def main():
             "On the CPU backend device memory is host memory: the round trip costs nothing "
             "(zero-copy both ways), and the resident decode pays XLA:CPU's concatenate of the "
             "decoded blocks (last row) on top of the same block kernels. That is why CPU devices "
-            "take the host pipeline (`blob._resident`); the resident rows are the accelerator "
+            "take the host pipeline (`resident.takes`); the resident rows are the accelerator "
             "path, forced here for comparison.",
         ]
     text = "\n".join(lines) + "\n"

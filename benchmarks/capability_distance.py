@@ -10,7 +10,7 @@ setting and reports, against tq_jax:
 * ``Q`` (tqai's ``PolarQuantizer._rotation``, the reference itself): max |ΔQ|;
 * the fraction of W1 indices that differ — W1 is one ``[2, 32, 256, 8, 128]`` bfloat16
   chunk of standard normals (``[2, 32, 256, 16, 64]`` at head_dim 64), quantized by
-  tq_jax's own quantizer (``codec.encode_indices``) once with tq_jax's rotation and once
+  tq_jax's own quantizer (``_kernels.encode_indices``) once with tq_jax's rotation and once
   with the reference's ``Q``. The codebooks are identical (tests/test_codebook.py), so
   this isolates the rotation; the reference's own encoder at 8 bits would need ~35 GB
   (it builds a ``(..., d, 256)`` distance tensor), so it is not run on W1;
@@ -138,11 +138,11 @@ def w1_indices(dim: int, bits: int, q: np.ndarray, w1) -> np.ndarray:
     import jax
     import jax.numpy as jnp
 
-    from tq_jax import codec
+    from tq_jax import _kernels, codec
 
     tabs = codec.tables(codec.CodecConfig(dim=dim, bits=bits, seed=W1_SEED))
     rot = codec.RotationOp(dense=jnp.asarray(q))
-    f = jax.jit(lambda x: codec.encode_indices(x, rot, tabs.boundaries, tabs.grid)[0])
+    f = jax.jit(lambda x: _kernels.encode_indices(x, rot, tabs.boundaries, tabs.grid)[0])
     return np.asarray(f(w1.reshape(-1, dim)))
 
 

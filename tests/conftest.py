@@ -57,6 +57,29 @@ def pytest_configure(config):
         )
 
 
+def cosine(a, b):
+    """Per-vector cosine similarity of ``a`` and ``b`` along their last axis (float32 rows)."""
+    import numpy as np
+
+    a = np.asarray(a, np.float32).reshape(-1, np.shape(a)[-1])
+    b = np.asarray(b, np.float32).reshape(-1, np.shape(b)[-1])
+    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+def mean_cosine(a, b) -> float:
+    """The mean of :func:`cosine` over every vector."""
+    return float(cosine(a, b).mean())
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for coordinators and servers)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def sweep(cases, fast: int = 1):
     """Parameter sets for ``pytest.mark.parametrize``: the first ``fast`` run in the
     quick subset (``-m "not slow"``), the rest are marked slow. Each case is one value,

@@ -15,13 +15,11 @@ from tq_jax import batch
 from tq_jax import cli
 from tq_jax import safetensors_io as st
 
+from conftest import mean_cosine, sweep
+
 HD = 128
 
 
-def _cos(a, b):
-    a = np.asarray(a, np.float32).reshape(-1, a.shape[-1])
-    b = np.asarray(b, np.float32).reshape(-1, b.shape[-1])
-    return float(np.mean(np.sum(a * b, 1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))))
 
 
 def _tensors():
@@ -82,7 +80,7 @@ def test_roundtrip_restores_names_shapes_dtypes(tmp_path, infile, capsys):
     for k in ("wide", "ids", "mask", "f64"):  # passed through bit for bit
         assert got[k].tobytes() == orig[k].tobytes()
     for k in ("kv", "k16", "f32"):
-        assert _cos(got[k], orig[k]) >= 0.99, k
+        assert mean_cosine(got[k], orig[k]) >= 0.99, k
     assert _listing(tmp_path) == ["back.safetensors", "c.safetensors", "in.safetensors"]
 
 
@@ -120,7 +118,7 @@ def test_all_splits_heads(tmp_path, infile):
     assert tq_jax.peek_header(comp["wide"]).shape == (4, 2, HD)
     assert run("decompress", out, back, "-q") == 0
     got = st.load_file(back)[0]
-    assert got["wide"].shape == (4, 2 * HD) and _cos(got["wide"].reshape(-1, HD), _tensors()["wide"].reshape(-1, HD)) > 0.99
+    assert got["wide"].shape == (4, 2 * HD) and mean_cosine(got["wide"].reshape(-1, HD), _tensors()["wide"].reshape(-1, HD)) > 0.99
 
 
 def test_options_reach_the_blobs(tmp_path, infile):
@@ -133,7 +131,9 @@ def test_options_reach_the_blobs(tmp_path, infile):
 NOT_KV = ("--exclude", "k16", "--exclude", "f32", "--exclude", "empty")
 
 
-@pytest.mark.parametrize("chunk_mb", [64, 0.005])
+# Quick tier: one blob per tensor; many small chunks (0.005 MiB) are slow
+# (test_chunked_blobs_decode_like_one_blob keeps chunking quick).
+@pytest.mark.parametrize("chunk_mb", sweep([64, 0.005]))
 def test_v2_options_per_group_and_raw_layers(tmp_path, infile, capsys, chunk_mb):
     flags = ["--key-bits", 4, "--value-bits", 3, "--skip-first-layers", 1, "--skip-last-layers", 1,
              "--rotation", "hadamard", "--checksum", "--norm-correction", "-q"]
@@ -152,8 +152,8 @@ def test_v2_options_per_group_and_raw_layers(tmp_path, infile, capsys, chunk_mb)
     # The first and last layers (axis 1) of K and V are stored raw: exact.
     for layer in (0, 2):
         assert got[:, layer].tobytes() == x[:, layer].tobytes()
-    assert _cos(got[0, 1], x[0, 1]) > 0.99 and _cos(got[1, 1], x[1, 1]) > 0.97
-    assert _cos(got[0, 1], x[0, 1]) > _cos(got[1, 1], x[1, 1])  # keys got more bits
+    assert mean_cosine(got[0, 1], x[0, 1]) > 0.99 and mean_cosine(got[1, 1], x[1, 1]) > 0.97
+    assert mean_cosine(got[0, 1], x[0, 1]) > mean_cosine(got[1, 1], x[1, 1])  # keys got more bits
     assert run("inspect", out) == 0
     row = next(ln.split() for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("kv "))
     assert row[4] == "4/3" and row[6] == "2" and "hadamard," in row and "crc32" in row
@@ -188,7 +188,7 @@ def test_npy_and_npz(tmp_path):
                 np.testing.assert_array_equal(z["ids"], np.arange(3))
         else:
             y = st.load_file(back)[0]["a"]
-        assert y.dtype == x.dtype and y.shape == x.shape and _cos(y, x) > 0.99
+        assert y.dtype == x.dtype and y.shape == x.shape and mean_cosine(y, x) > 0.99
 
 
 def test_several_inputs_into_a_directory(tmp_path, infile):
@@ -264,6 +264,40 @@ def test_inspect_bare_blob_and_plain_files(tmp_path, infile, capsys):
     assert "total: 0 TQ01 tensor(s), 8 raw" in capsys.readouterr().out
 
 
+def test_inspect_refuses_a_bare_blob_whose_length_is_not_its_headers(tmp_path, capsys):
+    """A truncated (or padded) bare blob is an error, not a ratio: its length follows from its header."""
+    whole = tq_jax.dumps(np.ones((3, HD), np.float32), bits=2, seed=5)
+    assert len(whole) == tq_jax.serialized_size((3, HD), "float32", 2)
+    for name, data, what in [("short.tq01", whole[:-7], "truncated"), ("long.tq01", whole + b"\0" * 3, "followed by 3")]:
+        (tmp_path / name).write_bytes(data)
+        _fails(capsys, "inspect", tmp_path / name, match=f"declares {len(whole):,} bytes")
+        assert run("inspect", tmp_path / name, "--json") == 1
+        assert what in capsys.readouterr().err
+
+
+def test_decompress_of_a_bare_blob_says_what_it_is_and_what_to_run(tmp_path, capsys):
+    blob = tmp_path / "x.tq01"
+    blob.write_bytes(tq_jax.dumps(np.ones((3, HD), np.float32), bits=4))
+    _fails(capsys, "decompress", blob, tmp_path / "x.safetensors", match="bare TQ01 blob")
+    run("decompress", blob, tmp_path / "x.safetensors")
+    err = capsys.readouterr().err
+    assert "tq_jax.loads(" in err and f"tq-jax inspect {blob}" in err and "MAX_HEADER_SIZE" not in err
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_a_codec_other_than_tq01_in_the_metadata_is_refused(tmp_path, infile, capsys):
+    out = tmp_path / "c.safetensors"
+    assert run("compress", infile, out, "-q") == 0
+    tensors, meta = st.load_file(out)
+    doc = json.loads(meta[batch.META_KEY])
+    doc["tensors"]["kv"]["codec"] = "TQ02"
+    st.save_file(tensors, tmp_path / "other.safetensors", {**meta, batch.META_KEY: json.dumps(doc)})
+    for argv in (["decompress", tmp_path / "other.safetensors", tmp_path / "x.safetensors"],
+                 ["inspect", tmp_path / "other.safetensors"]):
+        _fails(capsys, *argv, match="names codec 'TQ02', but this tq-jax reads only 'TQ01'")
+    assert not (tmp_path / "x.safetensors").exists()
+
+
 # --------------------------------------------------------------------------- errors
 
 
@@ -335,7 +369,7 @@ def test_norms_beyond_float16(tmp_path, capsys):
     assert run("decompress", out, back, "-q") == 0
     got = st.load_file(back)[0]["big"]
     # (decoded norms run a little short of the input's at 4 bits: ||centroid vector|| < 1)
-    assert _cos(got, x) > 0.99 and np.allclose(np.linalg.norm(got, axis=1), np.linalg.norm(x, axis=1), rtol=0.05)
+    assert mean_cosine(got, x) > 0.99 and np.allclose(np.linalg.norm(got, axis=1), np.linalg.norm(x, axis=1), rtol=0.05)
 
 
 def test_usage_errors_exit_2(capsys):
@@ -395,12 +429,13 @@ def test_reference_decodes_compressed_entries(tmp_path, infile):
         parts.append(t.float().numpy().reshape(-1))
         off += n
     theirs = np.concatenate(parts).reshape(2, 3, 16, 4, HD)
-    assert _cos(theirs, _tensors()["kv"]) > 0.99
+    assert mean_cosine(theirs, _tensors()["kv"]) > 0.99
 
 
 # --------------------------------------------------------------------------- bench
 
 
+@pytest.mark.slow  # seconds of reference runs and charts; .ci/run runs the full `tq-jax bench` too
 def test_bench_quick_writes_table_and_charts(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out = tmp_path / "bench"

@@ -1,4 +1,4 @@
-"""First-hour rough edges of the tq-jax command (issue 15): file modes, --all pass-through,
+"""First-hour rough edges of the tq-jax command: file modes, --all pass-through,
 raw-layer presets that cover a whole tensor, third-party log noise, small messages."""
 
 import io
@@ -6,8 +6,6 @@ import json
 import logging
 import os
 import stat
-import subprocess
-import sys
 from importlib import metadata
 
 import jax.numpy as jnp
@@ -19,6 +17,8 @@ from tq_jax import bench
 from tq_jax import cli
 from tq_jax import safetensors_io as st
 
+from conftest import mean_cosine
+
 HD = 128
 
 
@@ -26,10 +26,6 @@ def run(*argv):
     return cli.main([str(a) for a in argv])
 
 
-def _cos(a, b):
-    a = np.asarray(a, np.float32).reshape(-1, HD)
-    b = np.asarray(b, np.float32).reshape(-1, HD)
-    return float(np.mean(np.sum(a * b, 1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))))
 
 
 def _kv(layers=3):
@@ -103,7 +99,7 @@ def test_all_passes_through_what_tq01_cannot_encode(tmp_path, capsys):
     got = st.load_file(back)[0]
     assert got["scale"].tobytes() == scale.tobytes() and got["scale"].dtype == np.float32
     assert got["f64"].tobytes() == np.ones((2, HD)).tobytes()
-    assert got["kv"].shape == kv.shape and _cos(got["kv"], kv) > 0.99
+    assert got["kv"].shape == kv.shape and mean_cosine(got["kv"], kv) > 0.99
 
 
 def test_without_all_a_head_dim_tensor_of_another_dtype_is_still_an_error(tmp_path, capsys):
@@ -252,7 +248,7 @@ def test_bench_charts_say_which_way_is_better_and_label_fp8():
             plt.close(f)
 
 
-def test_turbo_preset_and_norm_bits_flag_reach_the_blobs(tmp_path):
+def test_turbo_preset_and_norm_bits_flag_reach_the_blobs(tmp_path, capsys):
     """`--preset turbo-3.5` writes the preset's blobs (same bytes as tq_jax.dumps with
     it); `--norm-bits` overrides the preset's norm codes; inspect names them."""
     import tq_jax
@@ -268,9 +264,9 @@ def test_turbo_preset_and_norm_bits_flag_reach_the_blobs(tmp_path):
         assert (h.bits, h.value_bits, h.norm_bits, h.rotation) == (4, 3, norm_bits, "hadamard")
         want = dict(tq_jax.PRESETS["turbo-3.5"], norm_bits=norm_bits)
         assert blob == tq_jax.dumps(x, **want)
-    r = subprocess.run([sys.executable, "-m", "tq_jax", "inspect", str(tmp_path / "c6.safetensors")],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and "6-bit log norms" in r.stdout, r.stdout + r.stderr
+    capsys.readouterr()
+    assert cli.main(["inspect", str(tmp_path / "c6.safetensors")]) == 0  # in process: the entry point is tested apart
+    assert "6-bit log norms" in capsys.readouterr().out
 
 
 def test_cli_and_batch_errors_end_with_one_line_and_status_1(tmp_path, capsys):

@@ -6,18 +6,15 @@ import numpy as np
 import pytest
 
 import tq_jax
+from tq_jax import _kernels as kernels  # the kernels alone, through their own names
 from tq_jax import blob, codebook, codec, packing
 from tq_jax import rotation as rotation_mod
 
-from conftest import sweep
+from conftest import cosine, sweep
 
 W1 = (2, 32, 256, 8, 128)  # one LLaMA-3-8B LMCache chunk, per head
 
 
-def cosine(a, b):
-    a = np.asarray(a, np.float32).reshape(-1, a.shape[-1])
-    b = np.asarray(b, np.float32).reshape(-1, b.shape[-1])
-    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +49,7 @@ def test_indices_are_nearest_centroid(bits):
     t = codec.tables(tq_jax.CodecConfig(d, bits))
     y = (x / (np.linalg.norm(x, axis=1, keepdims=True) + 1e-10)) @ t.rotation.dense.T
     want = np.abs(y[..., None] - t.centroids).argmin(-1)
-    idx, _ = codec.encode_indices(x, t.rotation, t.boundaries, None if t.grid is None else t.grid)
+    idx, _ = kernels.encode_indices(x, t.rotation, t.boundaries, None if t.grid is None else t.grid)
     assert (np.asarray(idx) == want).mean() >= 0.999
 
 
@@ -73,10 +70,10 @@ def test_quantizer_counts_boundaries_strictly_below(bits):
         ]
     )  # (wider codebooks send non-finite coordinates to cell 0: their vector's norm is non-finite)
     y = y[~((y != 0) & (np.abs(y) < np.finfo(np.float32).tiny))]  # XLA's CPU flushes subnormals to zero
-    got = np.asarray(codec._quantize(jnp.asarray(y), jnp.asarray(b), None if t.grid is None else t.grid))
+    got = np.asarray(kernels.quantize(jnp.asarray(y), jnp.asarray(b), None if t.grid is None else t.grid))
     np.testing.assert_array_equal(got, np.searchsorted(b, y, side="left"))
     if bits <= 4:
-        assert np.asarray(codec._quantize(jnp.float32(np.nan), jnp.asarray(b), t.grid)) == 0
+        assert np.asarray(kernels.quantize(jnp.float32(np.nan), jnp.asarray(b), t.grid)) == 0
 
 
 @pytest.mark.parametrize("rotation", ["haar", "hadamard"])
@@ -87,13 +84,13 @@ def test_row_kernels_equal_the_natural_order_pipeline(dim, bits, rotation):
     cfg = tq_jax.CodecConfig(dim, bits, rotation=rotation)
     t = codec.device_tables(cfg)
     x = np.random.default_rng(dim * bits).standard_normal((300, dim)).astype(np.float32)
-    idx, norms = codec.encode_indices(x, t.rotation, t.boundaries, t.grid)
-    rows, norms2 = codec.encode_rows(jnp.asarray(x), t, bits)
+    idx, norms = kernels.encode_indices(x, t.rotation, t.boundaries, t.grid)
+    rows, norms2 = kernels.encode_rows(jnp.asarray(x), t, bits)
     natural = np.asarray(packing.pack(idx, bits))
     assert (np.asarray(rows) == natural).mean() >= 0.999  # a tie may round the other way
     np.testing.assert_array_equal(np.asarray(norms2), np.asarray(norms))
-    want = codec.decode_indices(packing.unpack(natural, bits, dim), norms, t.rotation, t.centroids, jnp.float32)
-    got = codec.decode_rows(jnp.asarray(natural), norms, t, bits, jnp.float32)
+    want = kernels.decode_indices(packing.unpack(natural, bits, dim), norms, t.rotation, t.centroids, jnp.float32)
+    got = kernels.decode_rows(jnp.asarray(natural), norms, t, bits, jnp.float32)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=2e-5 * float(np.abs(want).max()))
 
 
@@ -102,10 +99,10 @@ def test_group_kernel_equals_the_natural_order_pipeline(dim, bits):
     # The Hadamard group kernel (planes per 16-group, outer factor as sums) against
     # encode_indices + pack, with two batch axes; each group fills 2*bits bytes.
     t = codec.device_tables(tq_jax.CodecConfig(dim, bits, rotation="hadamard"))
-    assert codec._grouped(dim, t.rotation)
+    assert kernels.grouped(dim, t.rotation)
     x = np.random.default_rng(dim + bits).standard_normal((3, 50, dim)).astype(np.float32)
-    idx, norms = codec.encode_indices(x, t.rotation, t.boundaries, t.grid)
-    groups, norms2 = codec.encode_groups(jnp.asarray(x), t, bits)
+    idx, norms = kernels.encode_indices(x, t.rotation, t.boundaries, t.grid)
+    groups, norms2 = kernels.encode_groups(jnp.asarray(x), t, bits)
     assert groups.shape == (3, 50, dim // 16, 2 * bits)
     natural = np.asarray(packing.pack(idx, bits))
     assert (np.asarray(groups).reshape(natural.shape) == natural).mean() >= 0.999  # ties may round apart
@@ -120,13 +117,13 @@ def test_group_decode_is_decode_rows_bit_for_bit(dim, bits, nc):
     # the same order, so the same bits; every width (5 and 7 bits read two words).
     t = codec.device_tables(tq_jax.CodecConfig(dim, bits, rotation="hadamard"))
     x = np.random.default_rng(dim * bits).standard_normal((2, 40, dim)).astype(np.float32)
-    rows, norms = codec.encode_rows(jnp.asarray(x), t, bits)
-    want = np.asarray(codec.decode_rows(rows, norms, t, bits, jnp.bfloat16, nc))
-    got = np.asarray(codec.decode_groups(rows, norms, t, bits, jnp.bfloat16, nc))
+    rows, norms = kernels.encode_rows(jnp.asarray(x), t, bits)
+    want = np.asarray(kernels.decode_rows(rows, norms, t, bits, jnp.bfloat16, nc))
+    got = np.asarray(kernels.decode_groups(rows, norms, t, bits, jnp.bfloat16, nc))
     assert got.shape == (2, 40, dim // 16, 16)
     np.testing.assert_array_equal(got.reshape(want.shape).view(np.uint16), want.view(np.uint16))
     if nc:  # rescaled to unit length before the norms: each row's norm is its stored norm
-        unit = np.asarray(codec.decode_rows(rows, jnp.ones_like(norms), t, bits, jnp.float32, True))
+        unit = np.asarray(kernels.decode_rows(rows, jnp.ones_like(norms), t, bits, jnp.float32, True))
         np.testing.assert_allclose(np.linalg.norm(unit, axis=-1), 1.0, rtol=2e-6)
 
 
@@ -142,7 +139,7 @@ def test_bfloat16_cast_rounds_like_astype():
     ])
     v = bits.view(np.float32)
     v = v[~((np.abs(v) < np.finfo(np.float32).tiny) & (v != 0))]
-    got = np.asarray(jax.jit(lambda a: codec._cast(a, jnp.bfloat16))(v))
+    got = np.asarray(jax.jit(lambda a: kernels.cast(a, jnp.bfloat16))(v))
     with np.errstate(invalid="ignore"):  # NaN in, NaN out
         want = v.astype(jnp.bfloat16)
     np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
@@ -193,7 +190,7 @@ def test_jit_parity_and_user_jit_vmap(rotation):
     t = codec.tables(cfg)
     # Un-jitted private implementation vs the jitted public function.
     with jax.disable_jit():
-        idx, norms = codec.encode_indices(x, t.rotation, t.boundaries, t.grid)
+        idx, norms = kernels.encode_indices(x, t.rotation, t.boundaries, t.grid)
         eager = tq_jax.encode(x, cfg)
     jitted = tq_jax.encode(x, cfg)
     np.testing.assert_array_equal(np.asarray(eager.packed), np.asarray(jitted.packed))
@@ -275,7 +272,7 @@ def test_bucket_sizes():
 def test_hadamard_float32_norms_are_the_same_bits_in_any_block(dim):
     # Hadamard norms are summed in a fixed order: XLA's CPU reduction gave 8- and
     # 16-vector blocks norms one ulp away from 4096-vector ones, which float32 norms
-    # store. (Haar keeps XLA's reduction: see codec._squared_norms.) 256 runs the
+    # store. (Haar keeps XLA's reduction: see kernels.squared_norms.) 256 runs the
     # natural-order pipeline, the others the group kernel.
     x = np.random.default_rng(3).standard_normal((203, dim)).astype(jnp.bfloat16)
     one = tq_jax.dumps(x, bits=4, rotation="hadamard", norm_dtype="float32")

@@ -9,7 +9,6 @@ import ast
 import inspect
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -18,14 +17,12 @@ import pytest
 
 from tq_jax import distributed
 
+from conftest import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 180
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict:
@@ -107,7 +104,7 @@ print(json.dumps(out))
 
 @pytest.mark.slow
 def test_two_processes_agree_and_share_a_failure():
-    port = _free_port()
+    port = free_port()
     procs = [
         subprocess.Popen([sys.executable, "-c", _MEMBER, str(port), str(pid)], cwd=ROOT, env=_env(),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -145,6 +142,6 @@ def test_a_one_process_job_is_none():
         "c = distributed.initialize(f'127.0.0.1:{sys.argv[1]}', 1, 0); "
         "assert c is None and jax.distributed.is_initialized(), c; print('ok')"
     )
-    got = subprocess.run([sys.executable, "-c", code, str(_free_port())], cwd=ROOT, env=_env(),
+    got = subprocess.run([sys.executable, "-c", code, str(free_port())], cwd=ROOT, env=_env(),
                          capture_output=True, text=True, timeout=TIMEOUT)
     assert got.returncode == 0 and got.stdout.split()[-1] == "ok", got.stderr[-3000:]

@@ -15,7 +15,7 @@ built valid with random payloads. Oracles:
 * the bridge's ``TQJaxDeserializer`` raises only ``WireError`` or its documented
   shape-mismatch ``ValueError``, and otherwise writes exactly ``tq_jax.loads``.
 
-``benchmarks/fuzz_long.py`` runs the same kinds of cases at length (docs/hardening.md).
+``tools/fuzz_long.py`` runs the same kinds of cases at length (docs/hardening.md).
 The regression tests at the end cover each bug the fuzzing found.
 """
 
@@ -324,6 +324,7 @@ def merged(shape):
     return tuple(shape[:-2]) + (shape[-2] * shape[-1],) if len(shape) >= 2 else tuple(shape)
 
 
+@pytest.mark.slow  # torch + LMCache MemoryObjs per example; tools/fuzz_long.py runs it at length
 @settings(FUZZ, max_examples=400)
 @given(case=mutated(), junk=st.binary(max_size=48))
 def test_bridge_deserialize_under_mutation(bridge, case, junk):
@@ -419,7 +420,7 @@ def test_huge_claims_fail_before_any_allocation(name, blob, error):
 
 
 def test_regression_zero_length_axis_beside_a_huge_one_is_a_limit_error():
-    # Found by benchmarks/fuzz_long.py: (0, 2**62, 8) holds no coordinate, passed the
+    # Found by tools/fuzz_long.py: (0, 2**62, 8) holds no coordinate, passed the
     # element limit and escaped as numpy's "array is too big" ValueError.
     for shape in [(0, 1 << 62, 8), (1 << 62, 0, 8), (0, 2**63 - 1, 2**63 - 1, 8)]:
         with pytest.raises(wire.LimitError, match="MAX_ELEMENTS"):
@@ -485,21 +486,18 @@ def test_regression_caches_keyed_by_header_fields_are_bounded():
     # (or flipped seed bits, which v1 cannot detect) grew it without bound.
     from tq_jax import _lru, codebook, rotation
 
-    # every module-level LRU of the codec and the layers below it (the codec's device
-    # tables move to tq_jax._lru too; until then its OrderedDict is checked directly)
+    # every module-level LRU of the codec and the layers below it (the device tables included)
     def module_lrus(*mods):
         return [v for m in mods for v in vars(m).values() if isinstance(v, _lru.LRU)]
 
     lrus = module_lrus(codec, codebook, rotation)
-    legacy = getattr(codec, "_device_cache", None)
+    assert codec.CACHES["device tables"] in lrus
     seeded = module_lrus(codec, rotation)  # the caches a seed keys (codebooks are keyed by dim, bits)
-    bound = max([c.max_entries for c in seeded] + [getattr(codec, "_DEVICE_CACHE_SIZE", 0)])
+    bound = max(c.max_entries for c in seeded)
     blob = bytearray(tq_jax.dumps(_x((2, 8)), bits=2))
     for seed in range(bound + 20):
         struct.pack_into("<i", blob, 9, 1000 + seed)  # the v1 seed field, as a reader meets it
         tq_jax.loads(bytes(blob))
-    if legacy is not None and not isinstance(legacy, _lru.LRU):
-        assert len(legacy) <= codec._DEVICE_CACHE_SIZE
     assert rotation.CACHES["haar"].stats().evictions >= 20  # the seeds went through a bounded cache
     for cache in lrus:
         s = cache.stats()
@@ -507,7 +505,7 @@ def test_regression_caches_keyed_by_header_fields_are_bounded():
 
 
 def test_regression_qjl_seed_that_no_writer_can_produce_is_refused_by_the_parser():
-    # Found by benchmarks/fuzz_long.py (first run): a v1 QJL blob whose seed + 999999 is
+    # Found by tools/fuzz_long.py (first run): a v1 QJL blob whose seed + 999999 is
     # negative parsed, then loads() refused it (numpy cannot seed the QJL matrix). The
     # parser, the one place that validates, now refuses it; seed -999999 still decodes.
     for seed, ok in ((-1_000_000, False), (-(2**31), False), (-999_999, True)):

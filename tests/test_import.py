@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def test_import_tq_jax_does_not_import_torch_or_lmcache():
     code = (
@@ -57,3 +59,64 @@ def test_ci_refuses_to_run_with_a_test_dependency_missing(tmp_path):
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path), str(ini)], env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_norm_overflow_error_is_one_class_defined_by_the_format():
+    """The format (wire) defines it; the blob layer and the package name the same class."""
+    import tq_jax
+    from tq_jax import blob, wire
+
+    assert tq_jax.NormOverflowError is blob.NormOverflowError is wire.NormOverflowError
+    assert wire.NormOverflowError.__module__ == "tq_jax.wire"
+
+
+def test_submodules_are_attributes_loaded_on_first_use():
+    """`tq_jax.kvcache.init` works after a bare `import tq_jax`, which still loads no jax."""
+    code = (
+        "import sys, tq_jax; "
+        "assert 'jax' not in sys.modules and 'numpy' not in sys.modules; "
+        "assert 'tq_jax.kvcache' not in sys.modules and 'kvcache' in dir(tq_jax); "
+        "assert 'tq_jax.options' not in sys.modules; "
+        "import importlib; "
+        "assert callable(tq_jax.kvcache.init) and tq_jax.kvcache is importlib.import_module('tq_jax.kvcache'); "
+        "assert tq_jax.wire.parse is tq_jax.parse and tq_jax.options.Options is tq_jax.Options; "
+        "assert 'torch' not in sys.modules; "
+        "import pytest; pytest.raises(AttributeError, getattr, tq_jax, 'no_such_module')"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.slow  # a fresh process importing torch and LMCache; the kvcache test above is the same path
+def test_bridge_is_an_attribute_where_lmcache_is_installed():
+    import importlib.util
+
+    if importlib.util.find_spec("lmcache") is None:
+        pytest.skip("the lmcache extra is not installed")
+    code = "import tq_jax; assert tq_jax.bridge.register is not None"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_python_floor_is_what_the_code_needs():
+    """pyproject's requires-python admits no Python the sources or tests cannot run on:
+    every file parses with that version's grammar, and the standard-library modules
+    they import exist there (tomllib, which conftest reads pyproject.toml with, is 3.11)."""
+    import ast
+    import re
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = tomllib.loads((root / "pyproject.toml").read_text())["project"]["requires-python"]
+    floor = tuple(int(x) for x in re.fullmatch(r">=\s*(\d+)\.(\d+)", spec).groups())
+    new_in = {"tomllib": (3, 11)}  # stdlib modules newer than 3.10 that anything imports
+    files = [p for d in ("tq_jax", "bridge", "tests", "benchmarks", "tools") for p in (root / d).rglob("*.py")
+             if "bridge" not in p.relative_to(root).parts[1:2] or d != "tq_jax"]
+    assert len(files) > 50
+    for path in files:
+        tree = ast.parse(path.read_text(), str(path), feature_version=floor)
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+            for name in names:
+                need = new_in.get(name.split(".")[0])
+                assert need is None or need <= floor, f"{path}: imports {name} (Python {need}), floor {floor}"

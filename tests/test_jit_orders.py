@@ -2,8 +2,8 @@
 
 `encode`/`decode` build their tables on first use and cache them process-wide. If the
 first use happens while JAX traces a user's function, nothing traced may reach that
-cache: a stored tracer breaks every later trace, eager call and blob (issue 15,
-`UnexpectedTracerError`). Each test starts from an empty table cache so the first
+cache: a stored tracer breaks every later trace, eager call and blob
+(`UnexpectedTracerError`). Each test starts from an empty table cache so the first
 fill happens inside the transformation under test, then checks every later use
 against an independent eager computation done in a fresh process state (results are
 compared bit for bit: the same program pieces run either way).
@@ -26,6 +26,8 @@ import pytest
 
 import tq_jax
 from tq_jax import codec
+
+from conftest import sweep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -75,7 +77,9 @@ def _roundtrip_fn(cfg):
     return roundtrip
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+# Quick tier: the Haar config; the Hadamard and non-byte-aligned ones are slow (each clears
+# JAX's caches and compiles a kernel family afresh; test_vmap_then_eager keeps Hadamard quick).
+@pytest.mark.parametrize("cfg", sweep(CONFIGS), ids=IDS)
 def test_jit_then_second_shape_then_eager_then_blob(cfg):
     x1, x2 = _x((2, 10, 8), cfg.dim, 1), _x((2, 11, 8), cfg.dim, 2)
     want1, want2 = _expected(x1, cfg), _expected(x2, cfg)
@@ -171,14 +175,19 @@ def _library_roots():
     return roots
 
 
-def test_no_module_level_cache_is_filled_during_tracing():
+LEAK_CONFIGS = [tq_jax.CodecConfig(dim=64, bits=5, rotation="hadamard"), tq_jax.CodecConfig(dim=64, bits=4),
+                tq_jax.CodecConfig(dim=64, bits=3, norm_correction=True)]
+
+
+# Quick tier: the Hadamard config (group kernels, grid quantizer); the two Haar ones are slow.
+@pytest.mark.parametrize("cfg", sweep(LEAK_CONFIGS), ids=["hadamard-5", "haar-4", "haar-3-nc"])
+def test_no_module_level_cache_is_filled_during_tracing(cfg):
     """Repo-wide: after tracing every public entry point in every transformation, no
     object reachable from any tq_jax module global holds a tracer, and JAX's own leak
     checker (which fails a trace whose tracers outlive it) stays quiet."""
     x = _x((2, 3), 64, 6)
     with jax.checking_leaks():
-        for cfg in (tq_jax.CodecConfig(dim=64, bits=4), tq_jax.CodecConfig(dim=64, bits=5, rotation="hadamard"),
-                    tq_jax.CodecConfig(dim=64, bits=3, norm_correction=True)):
+        for cfg in (cfg,):
             _empty_caches()
             fn = _roundtrip_fn(cfg)
             jax.jit(fn)(x)

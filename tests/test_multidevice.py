@@ -5,7 +5,6 @@ and jax.distributed needs a process per member), so they take a few seconds each
 """
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,8 @@ import pytest
 
 from tq_jax import cli
 from tq_jax import safetensors_io as st
+
+from conftest import free_port
 
 pytestmark = pytest.mark.slow  # fresh processes with forced device counts
 
@@ -30,10 +31,6 @@ def _env(devices: int) -> dict:
     return env
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _inputs(tmp_path):
@@ -90,7 +87,7 @@ def test_four_devices_same_bytes_as_one(tmp_path):
 
 
 def _two_processes(argv: list[str], devices: int = 2):
-    port = _free_port()
+    port = free_port()
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "tq_jax", *argv, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
@@ -131,7 +128,7 @@ def test_two_processes_same_bytes_as_one(tmp_path):
 
 
 def test_two_processes_share_one_failure(tmp_path):
-    port = _free_port()
+    port = free_port()
     common = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--barrier-timeout", "120", "-q"]
     a, _ = _inputs(tmp_path)
     procs = [

@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 
 import tq_jax
-from tq_jax import cli, codebook, wire
+from tq_jax import cli, codebook, flags, rotation, wire
 from tq_jax import options as options_mod
 
 FIELDS = {f.name: f for f in dataclasses.fields(tq_jax.Options)}
@@ -54,10 +54,9 @@ def test_every_field_describes_itself():
 
 def test_constants_come_from_the_lower_layers():
     assert FIELDS["key_bits"].metadata["values"] == FIELDS["value_bits"].metadata["values"] == codebook.BITS_RANGE
-    from tq_jax import rotation
 
-    assert FIELDS["rotation"].metadata["values"] is options_mod.ROTATIONS is rotation.ROTATIONS
-    assert options_mod.NORM_DTYPES == ("auto", *wire.NORM_DTYPES)
+    assert FIELDS["rotation"].metadata["values"] is rotation.ROTATIONS
+    assert FIELDS["norm_dtype"].metadata["values"] == ("auto", *wire.NORM_DTYPES)
     assert FIELDS["norm_bits"].metadata["values"] == wire.NORM_BITS
     assert FIELDS["skip_first_layers"].metadata["values"] == range(0, wire.MAX_SKIP_LAYERS + 1)
 
@@ -104,10 +103,10 @@ def test_every_field_has_a_cli_flag_and_vice_versa():
     p = _compress_parser(cli.build_parser())
     dests = {a.dest for a in p._actions}
     assert dests - NON_CODEC_FLAGS == set(FIELDS)
-    flags = {s for a in p._actions for s in a.option_strings}
+    given = {s for a in p._actions for s in a.option_strings}
     for name in FIELDS:
-        assert "--" + name.replace("_", "-") in flags, name
-    assert set(cli.option_flags()) == set(FIELDS)
+        assert "--" + name.replace("_", "-") in given, name
+    assert set(flags.option_flags()) == set(FIELDS)
 
 
 def test_cli_flags_follow_the_metadata():
@@ -119,7 +118,7 @@ def test_cli_flags_follow_the_metadata():
         assert f.metadata["help"] in a.help, name
         if options_mod.field_type(f) is bool:
             assert isinstance(a, argparse._StoreTrueAction), name
-    assert list(by_dest["rotation"].choices) == list(options_mod.ROTATIONS)
+    assert list(by_dest["rotation"].choices) == list(rotation.ROTATIONS)
     assert list(by_dest["norm_bits"].choices) == [0, *wire.NORM_BITS]
     assert list(by_dest["key_bits"].choices) == list(codebook.BITS_RANGE)
 
@@ -149,7 +148,7 @@ def test_a_new_boolean_option_reaches_the_cli_with_no_other_edit():
     p = _compress_parser(parser)
     (foo,) = [a for a in p._actions if a.dest == "foo"]
     assert foo.option_strings == ["--foo"] and foo.help == "turn foo on"
-    assert "foo" in cli.option_flags(variant)
+    assert "foo" in flags.option_flags(variant)
     with pytest.raises(ValueError, match=r"^`foo` must be a bool, got 1\."):  # validated like the others
         variant(4, 4, foo=1)
 
@@ -221,3 +220,15 @@ def test_a_new_boolean_option_reaches_the_bridge_with_no_other_edit(registry):
     assert variant.make(o.bits, seed=o.seed, **o.codec_options()).foo is True
     with pytest.raises(ValueError, match="TQ01 version 2 options: .*foo"):  # listed with the v2 options
         registry.check_values({"fooo": True}, table)
+
+
+def test_codec_config_is_derived_from_the_options():
+    """One schema: a group's CodecConfig carries that group's bits and the shared codec fields."""
+    o = tq_jax.Options(4, 3, seed=9, rotation="hadamard", norm_correction=True)
+    assert o.codec_config(64, 0) == tq_jax.CodecConfig(64, 4, 9, "hadamard", True)
+    assert o.codec_config(64, 1) == tq_jax.CodecConfig(64, 3, 9, "hadamard", True)
+    assert tq_jax.Options(2, 2).codec_config(16) == tq_jax.CodecConfig(16, 2)
+    with pytest.raises(ValueError, match="`group` must be 0 .* got 2"):
+        o.codec_config(64, 2)
+    with pytest.raises(ValueError, match="`dim` must be an int >= 2"):
+        o.codec_config(1, 0)

@@ -44,15 +44,26 @@ def _bitstream_reference(indices, bits):
     return out
 
 
+def _check_roundtrip(idx, bits):
+    packed = np.asarray(pack(idx, bits))
+    assert packed.dtype == np.uint8 and packed.shape == (packed_nbytes(len(idx), bits),)
+    np.testing.assert_array_equal(packed, _bitstream_reference(idx, bits))
+    np.testing.assert_array_equal(np.asarray(unpack(packed, bits, len(idx))), idx)
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_roundtrip_and_definition_every_width(bits):
+    """One length per width that is not a whole number of bytes at any width (quick tier)."""
+    _check_roundtrip(np.random.default_rng(bits).integers(0, 2**bits, 37).astype(np.uint8), bits)
+
+
+# Every width at many lengths: each length compiles pack/unpack afresh (seconds in all).
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(bits=st.integers(1, 8), data=st.data())
 def test_roundtrip_and_definition(bits, data):
     n = data.draw(st.integers(1, 70))
-    idx = np.array(data.draw(st.lists(st.integers(0, 2**bits - 1), min_size=n, max_size=n)), np.uint8)
-    packed = np.asarray(pack(idx, bits))
-    assert packed.dtype == np.uint8 and packed.shape == (packed_nbytes(n, bits),)
-    np.testing.assert_array_equal(packed, _bitstream_reference(idx, bits))
-    np.testing.assert_array_equal(np.asarray(unpack(packed, bits, n)), idx)
+    _check_roundtrip(np.array(data.draw(st.lists(st.integers(0, 2**bits - 1), min_size=n, max_size=n)), np.uint8), bits)
 
 
 @pytest.mark.slow
@@ -94,15 +105,10 @@ def test_bad_bits_and_short_input():
 # ----------------------------------------------------------------------------- planes
 
 
-@settings(max_examples=40, deadline=None)
-@given(bits=st.integers(1, 8), data=st.data())
-def test_planes_pack_to_the_natural_bytes(bits, data):
+def _check_planes(idx, bits):
     # Independent expectation: pack() of the same indices in natural order.
+    rows, n = idx.shape
     g = plane_count(bits)
-    n = g * data.draw(st.integers(1, 40))
-    rows = data.draw(st.integers(1, 3))
-    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
-    idx = rng.integers(0, 2**bits, size=(rows, n)).astype(np.uint8)
     order = plane_order(n, bits)
     planes = idx[:, order].reshape(rows, g, n // g)
     assert planes[0, 1 % g, 0] == idx[0, 1 % g]  # plane i starts with natural index i
@@ -110,6 +116,23 @@ def test_planes_pack_to_the_natural_bytes(bits, data):
     np.testing.assert_array_equal(np.asarray(pack_planes(planes, bits)), packed)
     # and those bytes read back grouped in natural order
     np.testing.assert_array_equal(np.asarray(unpack_groups(packed, bits, n)).reshape(rows, n), idx)
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_planes_pack_to_the_natural_bytes_every_width(bits):
+    """Two rows of three plane groups per width (quick tier)."""
+    n = plane_count(bits) * 3
+    _check_planes(np.random.default_rng(bits).integers(0, 2**bits, (2, n)).astype(np.uint8), bits)
+
+
+@pytest.mark.slow
+@settings(max_examples=40, deadline=None)
+@given(bits=st.integers(1, 8), data=st.data())
+def test_planes_pack_to_the_natural_bytes(bits, data):
+    n = plane_count(bits) * data.draw(st.integers(1, 40))
+    rows = data.draw(st.integers(1, 3))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    _check_planes(rng.integers(0, 2**bits, size=(rows, n)).astype(np.uint8), bits)
 
 
 def test_plane_count_is_the_smallest_byte_aligned_group():

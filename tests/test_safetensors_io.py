@@ -161,9 +161,9 @@ GOOD = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
 @pytest.mark.parametrize(
     "blob, err",
     [
-        (b"\x01\x02", st.TruncatedError),
+        (b"\x01\x02", st.TruncatedFileError),
         (_file(b"{}", n=st.MAX_HEADER_SIZE + 1), st.HeaderTooLargeError),
-        (_file(b"{}", n=50), st.TruncatedError),
+        (_file(b"{}", n=50), st.TruncatedFileError),
         (_file(b"\xff\xfe{}"), st.InvalidHeaderError),
         (_file(b' {"a":1}'), st.InvalidHeaderError),
         (_file(b"{not json"), st.InvalidHeaderError),

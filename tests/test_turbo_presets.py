@@ -13,7 +13,10 @@ import numpy as np
 import pytest
 
 import tq_jax
-from tq_jax import codec, wire
+from tq_jax import norms as log_norms
+from tq_jax import wire
+
+from conftest import cosine
 
 PRESET_BUDGET = {"turbo-3.5": 3.6, "turbo-2.5": 2.6}
 
@@ -25,10 +28,6 @@ def kv(shape, dtype=jnp.bfloat16, seed=0):
     return x.astype(dtype)
 
 
-def cosine(a, b):
-    a = np.asarray(a, np.float32).reshape(-1, a.shape[-1])
-    b = np.asarray(b, np.float32).reshape(-1, b.shape[-1])
-    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
 @pytest.mark.parametrize("name", sorted(PRESET_BUDGET))
@@ -89,17 +88,17 @@ def test_zero_vectors_and_constant_norms():
     y = np.asarray(tq_jax.loads(tq_jax.dumps(x, bits=3, norm_bits=4, norm_correction=True)))
     np.testing.assert_array_equal(y[0, 1, 2], 0)
     np.testing.assert_allclose(np.linalg.norm(y[1, 0], axis=-1), 3.0, rtol=1e-5)
-    ranges, codes = codec.encode_log_norms(np.zeros(6, np.float32), 2, 5)
+    ranges, codes = log_norms.encode_log_norms(np.zeros(6, np.float32), 2, 5)
     np.testing.assert_array_equal(ranges, 0)
-    np.testing.assert_array_equal(codec.decode_log_norms(ranges, codes, 5, 6), 0)
+    np.testing.assert_array_equal(log_norms.decode_log_norms(ranges, codes, 5, 6), 0)
 
 
 def test_codes_pack_lsb_first():
-    ranges, codes = codec.encode_log_norms(np.exp(np.array([0, 1, 2, 3], np.float32)), 1, 3)
+    ranges, codes = log_norms.encode_log_norms(np.exp(np.array([0, 1, 2, 3], np.float32)), 1, 3)
     # ln n = 0..3 on a 6-step grid: codes 1, 3, 5, 7. LSB-first, bit i of the stream is
     # bit i % 3 of code i // 3: stream bits 100 110 101 111 -> bytes 0b01011001, 0b1111.
     assert codes.tolist() == [0b01011001, 0b1111]
-    np.testing.assert_allclose(codec.decode_log_norms(ranges, codes, 3, 4), np.exp([0, 1, 2, 3]), rtol=1e-6)
+    np.testing.assert_allclose(log_norms.decode_log_norms(ranges, codes, 3, 4), np.exp([0, 1, 2, 3]), rtol=1e-6)
 
 
 def test_bad_options_and_inputs_say_what_is_wrong():

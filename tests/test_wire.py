@@ -27,7 +27,7 @@ def test_valid_blob_parses_and_sizes_are_exact():
     p = wire.parse(b)
     assert p.header.shape == (2, 3, 8) and p.header.bits == 4 and p.header.seed == 7
     assert p.header.dtype == "float32" and not p.header.use_qjl
-    assert len(b) == wire.serialized_size((2, 3, 8), "float32", 4)
+    assert len(b) == wire.blob_nbytes(wire.Header(bits=4, seed=7, shape=(2, 3, 8), dtype="float32"))
     assert p.indices[0].nbytes == 2 * 3 * 8 * 4 // 8 and p.norms[0].shape == (6,)
     assert wire.peek_header(b) == p.header
 

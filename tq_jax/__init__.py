@@ -25,7 +25,7 @@ _EXPORTS = {
     "CodecConfig": "tq_jax.codec",
     "Encoded": "tq_jax.codec",
     "Header": "tq_jax.wire",
-    "NormOverflowError": "tq_jax.blob",
+    "NormOverflowError": "tq_jax.wire",
     "Options": "tq_jax.options",
     "PRESETS": "tq_jax.options",
     "WireError": "tq_jax.wire",
@@ -42,22 +42,33 @@ _EXPORTS = {
 
 __all__ = tuple(sorted(_EXPORTS))
 
+# Submodules reachable as attributes (``tq_jax.kvcache.init``), imported on first use.
+# ``bridge`` needs the ``lmcache`` extra (torch): where it is not installed, reading it
+# raises the ImportError that says so.
+_SUBMODULES = (
+    "batch", "bench", "blob", "blocks", "bridge", "cli", "codebook", "codec", "distributed", "kvcache",
+    "norms", "options", "packing", "resident", "rotation", "safetensors_io", "wire",
+)
+
 
 def __getattr__(name: str):
     module = _EXPORTS.get(name)
-    if module is None:
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
         raise AttributeError(f"module 'tq_jax' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # later reads skip this function
     return value
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+    return sorted(set(globals()) | set(_EXPORTS) | set(_SUBMODULES))
 
 
 if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
-    from tq_jax.blob import NormOverflowError as NormOverflowError
+    from tq_jax.wire import NormOverflowError as NormOverflowError
     from tq_jax.blob import dump_into as dump_into
     from tq_jax.blob import dumps as dumps
     from tq_jax.blob import load_into as load_into

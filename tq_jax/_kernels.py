@@ -2,18 +2,20 @@
 the row / group / stream encoders and decoders, and their jitted entry points.
 
 Everything here is a pure function of arrays (and of static Python ints); the tables
-(:class:`tq_jax.codec.RotationOp`, centroids, boundaries, search grid) are built by
-:mod:`tq_jax.codec` and passed in or closed over. Nothing here caches device arrays.
-The block entry points (:func:`encode_stream`, :func:`decode_stream`) pick their kernel
-family by two tests, :func:`_grouped` and :func:`_planar`, and :func:`layout` names the
-result; callers outside this module go through :mod:`tq_jax.codec`'s public functions.
+(:class:`Tables`: a :class:`RotationOp`, centroids, boundaries, search grid) are
+defined here and built by :mod:`tq_jax.codec`, which passes them in or closes over
+them. Nothing here caches device arrays. The block entry points (:func:`encode_stream`, :func:`decode_stream`) pick their kernel
+family by two tests, :func:`grouped` and :func:`planar`, and :func:`layout` names the
+result. Library callers outside this module go through :mod:`tq_jax.codec`'s public
+functions; the names without a leading underscore are this module's interface to
+codec and to the kernel tests (tests/test_codec.py), which check each kernel alone.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +26,30 @@ from tq_jax import codebook as _codebook
 from tq_jax import packing as _packing
 from tq_jax import rotation as _rotation
 
-if TYPE_CHECKING:  # annotations only
-    from tq_jax.codec import RotationOp, _Tables
+if TYPE_CHECKING:  # annotations only; jaxtyping is not a runtime dependency
+    from jaxtyping import Array, Float32
+
+
+class RotationOp(NamedTuple):
+    """A rotation as arrays (a pytree): ``dense`` for Haar, ``signs``/``odd`` for Hadamard."""
+
+    dense: "Float32[Array, 'd d'] | None" = None
+    signs: "Float32[Array, ' d'] | None" = None
+    odd: "Float32[Array, 'm m'] | None" = None
+
+
+class Tables(NamedTuple):
+    """The arrays a codec closes over (built once per config by :mod:`tq_jax.codec`;
+    host numpy there, device arrays in its device tables)."""
+
+    rotation: RotationOp
+    centroids: np.ndarray  # float32 (2**bits,)
+    boundaries: np.ndarray  # float32 (2**bits - 1,)
+    grid: tuple | None  # (lo, inv_width, start int32 (M,), bound float32 (M,)) for bits > 4
+    # The dense rotation with its rows in planar order (packing.plane_order), so that
+    # ``rotate`` yields coordinates ready to pack; None for Hadamard (its output is
+    # regrouped in the kernel) or when rows are not byte-aligned (dim*bits % 8 != 0).
+    planar_dense: np.ndarray | None
 
 NORM_EPS = 1e-10  # the reference's guard in u = x / (n + eps)
 _HADAMARD_FACTOR = 16  # the Hadamard part is applied as Kronecker factors of order <= 16
@@ -71,7 +95,7 @@ QUANTIZERS = _lru.LRU("quantizer tables", max_entries=64, max_bytes=16 << 20)
 
 
 @QUANTIZERS.memoize
-def _quantizer(dim: int, bits: int):
+def quantizer(dim: int, bits: int):
     """``(codebook, grid)`` of ``(dim, bits)``: the quantizer's tables, independent of
     the seed (the group encoder embeds them as constants)."""
     cb = _codebook.lloyd_max(dim, bits)
@@ -79,7 +103,7 @@ def _quantizer(dim: int, bits: int):
 
 
 
-def _planar(dim: int, bits: int) -> bool:
+def planar(dim: int, bits: int) -> bool:
     """Rows are byte-aligned, so the kernels can work on index planes."""
     return dim % _packing.plane_count(bits) == 0
 
@@ -96,7 +120,7 @@ def _pick(bits_so_far, values):
     return jnp.where(bits_so_far[0], _pick(bits_so_far[1:], values[half:]), _pick(bits_so_far[1:], values[:half]))
 
 
-def _quantize(y, boundaries, grid):
+def quantize(y, boundaries, grid):
     """Index of the nearest centroid = number of boundaries strictly below ``y``.
 
     Up to 4 bits: a branch-free binary search — ``bits`` comparisons, each against a
@@ -183,7 +207,7 @@ def _kron_apply(v, odd, transpose: bool):
     return w.reshape(v.shape)
 
 
-def _grouped(dim: int, rotation: RotationOp) -> bool:
+def grouped(dim: int, rotation: RotationOp) -> bool:
     """The Hadamard rotation of rows of ``n = dim/16 <= 8`` groups of 16: the group
     kernels below apply (every byte-aligned width: 16 coordinates fill ``2*bits`` bytes)."""
     return rotation.dense is None and dim % _HADAMARD_FACTOR == 0 and dim // _HADAMARD_FACTOR <= _OUTER_SUM_MAX
@@ -225,8 +249,8 @@ def _outer(odd, p: int):
     return h if odd.shape == (1, 1) else jnp.kron(odd, h)
 
 
-def encode_groups(x, tabs: _Tables, bits: int):
-    """Hadamard encode (``_grouped`` rows): packed uint8 ``(..., n, 2*bits)`` — row
+def encode_groups(x, tabs: Tables, bits: int):
+    """Hadamard encode (``grouped`` rows): packed uint8 ``(..., n, 2*bits)`` — row
     ``j``'s bytes are ``packed[j].reshape(-1)`` — and float32 norms ``(...)``.
 
     The pipeline of :func:`encode_indices` + ``pack`` with one reordering: the rotation
@@ -252,7 +276,7 @@ def encode_groups(x, tabs: _Tables, bits: int):
     Its other vectors come out byte for byte as without it.
     """
     xf = x.astype(jnp.float32)
-    sq = _squared_norms(xf, True)
+    sq = squared_norms(xf, True)
     norms = jnp.sqrt(sq)
     # the sign flip is exact in x's own dtype; done before the conversion it keeps the
     # GEMM operand from sharing `xf` with the norms (which XLA would then materialize)
@@ -267,22 +291,22 @@ def encode_groups(x, tabs: _Tables, bits: int):
     return jax.lax.cond(jnp.any(jnp.isinf(sq)), robust, lambda x, sq: fast, x, sq)
 
 
-def _groups_pass(v, inv, tabs: _Tables, bits: int):
+def _groups_pass(v, inv, tabs: Tables, bits: int):
     d = v.shape[-1]
     n, g = d // _HADAMARD_FACTOR, _packing.plane_count(bits)
     batch = v.shape[:-1]
-    cb, grid = _quantizer(d, bits)
+    cb, grid = quantizer(d, bits)
     z = jnp.matmul(v.reshape(*batch, n, _HADAMARD_FACTOR), _group_hadamard(bits), precision=_HI)
     z = z.reshape(*batch, n, g, _HADAMARD_FACTOR // g)
     outer = _outer(tabs.rotation.odd, d // tabs.rotation.odd.shape[0])
     inv = inv[..., None, None]
     y = jnp.stack([_outer_sums(z[..., p, :], outer) * inv for p in range(g)], axis=-3)  # (..., g, n, 16/g)
-    q = _quantize(y, cb.boundaries, grid)
+    q = quantize(y, cb.boundaries, grid)
     return _packing.pack_planes(jnp.moveaxis(q, -3, -2), bits)
 
 
-def decode_groups(packed, norms, tabs: _Tables, bits: int, dtype, norm_correction=False):
-    """Hadamard decode (``_grouped`` rows) of packed rows ``(..., d*bits/8)``: vectors
+def decode_groups(packed, norms, tabs: Tables, bits: int, dtype, norm_correction=False):
+    """Hadamard decode (``grouped`` rows) of packed rows ``(..., d*bits/8)``: vectors
     ``(..., n, 16)`` of ``dtype`` (row ``j`` is ``out[j].reshape(-1)``).
 
     The arithmetic of :func:`decode_rows`, but the indices come out of
@@ -296,13 +320,13 @@ def decode_groups(packed, norms, tabs: _Tables, bits: int, dtype, norm_correctio
     take the reduction, the scaling and the GEMM (or the outer sums) out of those
     loops into one YNNPACK call.
     """
-    d = _dim_of(tabs.rotation)
+    d = dim_of(tabs.rotation)
     n = d // _HADAMARD_FACTOR
     batch = packed.shape[:-1]
     idx = _packing.unpack_groups(packed, bits, d).astype(jnp.int32)  # (..., d/g, g)
     if norm_correction:
         c = jnp.take(tabs.centroids, idx, mode="clip").reshape(*batch, d)
-        table = tabs.centroids * jax.lax.rsqrt(_sum_squares(c))[..., None]
+        table = tabs.centroids * jax.lax.rsqrt(sum_squares(c))[..., None]
         c = jnp.take_along_axis(table, idx.reshape(*batch, d), axis=-1, mode="clip")
     else:
         c = jnp.take(tabs.centroids, idx, mode="clip")
@@ -311,10 +335,10 @@ def decode_groups(packed, norms, tabs: _Tables, bits: int, dtype, norm_correctio
     z = jnp.matmul(c, h, precision=_HI)
     outer = _outer(tabs.rotation.odd, d // tabs.rotation.odd.shape[0])
     x_hat = _outer_sums(z, outer.T) * tabs.rotation.signs.reshape(n, _HADAMARD_FACTOR)
-    return _cast(x_hat * norms.astype(jnp.float32)[..., None, None], dtype)
+    return cast(x_hat * norms.astype(jnp.float32)[..., None, None], dtype)
 
 
-def _sum_squares(v):
+def sum_squares(v):
     """``sum(v * v, axis=-1)`` in one fixed order: zero-padded to a power of two, then
     halved (``s[:h] + s[h:]``) down to one. Element-wise ops only, so a vector gets
     the same bits in any batch shape and on any backend; XLA's CPU reduction (a
@@ -331,7 +355,7 @@ def _sum_squares(v):
     return s[..., 0]
 
 
-def _cast(v, dtype):
+def cast(v, dtype):
     """``v.astype(dtype)`` for float32 ``v``; to bfloat16 by integer round-to-nearest-even
     on the bits instead of XLA's own conversion (chosen by timing on XLA's CPU backend:
     benchmarks/results/design_notes.md). It gives the same bits as ``astype`` for
@@ -372,7 +396,7 @@ def _scales_robust(xf, sq):
     """
     big = jnp.isinf(sq) & jnp.all(jnp.isfinite(xf), axis=-1)
     small = jax.lax.optimization_barrier(xf * np.float32(2.0**-96))
-    small_norms = jnp.sqrt(_sum_squares(small))
+    small_norms = jnp.sqrt(sum_squares(small))
     norms = jnp.where(big, small_norms * np.float32(2.0**96), jnp.sqrt(sq))
     pre = jnp.where(big, np.float32(2.0**-96), np.float32(1.0))
     inv = 1.0 / jnp.where(big, small_norms, norms + NORM_EPS)
@@ -384,20 +408,20 @@ def _scales_plain(xf, sq):
     return norms, jnp.ones_like(norms), 1.0 / (norms + NORM_EPS)
 
 
-def _squared_norms(xf, fixed_order: bool):
-    """``sum(xf * xf, axis=-1)``: in :func:`_sum_squares`' fixed order for the Hadamard
+def squared_norms(xf, fixed_order: bool):
+    """``sum(xf * xf, axis=-1)``: in :func:`sum_squares`' fixed order for the Hadamard
     rotation (the same bits in any block), by XLA's reduction for Haar, whose encode
     kernel's GEMM operand shares ``xf`` with it (chosen by timing that kernel:
     benchmarks/results/design_notes.md). Haar's float32 norms can therefore differ in
     the last bit between a block of 8 or 16 vectors and a full one; float16 norms hide
     that.
     """
-    return _sum_squares(xf) if fixed_order else jnp.sum(xf * xf, axis=-1)
+    return sum_squares(xf) if fixed_order else jnp.sum(xf * xf, axis=-1)
 
 
 def _normalize(x, fixed_order: bool):
     """``(x / (||x|| + eps), ||x||)`` in float32, as the reference computes them
-    (the sum of squares as :func:`_squared_norms` orders it).
+    (the sum of squares as :func:`squared_norms` orders it).
 
     The robust per-vector scales above are computed only when some squared norm
     overflowed (``lax.cond`` on a scalar; under ``vmap`` both branches run and a
@@ -405,7 +429,7 @@ def _normalize(x, fixed_order: bool):
     so the scaling itself fuses with whatever consumes ``u``.
     """
     xf = x.astype(jnp.float32)
-    sq = _squared_norms(xf, fixed_order)
+    sq = squared_norms(xf, fixed_order)
     norms, pre, inv = jax.lax.cond(jnp.any(jnp.isinf(sq)), _scales_robust, _scales_plain, xf, sq)
     return (xf * pre[..., None]) * inv[..., None], norms
 
@@ -418,7 +442,7 @@ def _norms_and_rotate(x, rotation: RotationOp):
 def encode_indices(x, rotation, boundaries, grid):
     """Unpacked uint8 indices ``(..., d)`` (natural order) and float32 norms ``(...)``."""
     y, norms = _norms_and_rotate(x, rotation)
-    return _quantize(y, boundaries, grid), norms
+    return quantize(y, boundaries, grid), norms
 
 
 def decode_indices(indices, norms, rotation: RotationOp, centroids, dtype, qjl=None, norm_correction=False):
@@ -436,22 +460,22 @@ def decode_indices(indices, norms, rotation: RotationOp, centroids, dtype, qjl=N
         scale = residual_norms.astype(jnp.float32) * np.float32(math.sqrt(math.pi / (2 * m)))
         y_hat = y_hat + corr * scale[..., None]
     if norm_correction:
-        y_hat = y_hat * jax.lax.rsqrt(_sum_squares(y_hat))[..., None]
+        y_hat = y_hat * jax.lax.rsqrt(sum_squares(y_hat))[..., None]
     x_hat = unrotate(y_hat, rotation)
-    return _cast(x_hat * norms.astype(jnp.float32)[..., None], dtype)
+    return cast(x_hat * norms.astype(jnp.float32)[..., None], dtype)
 
 
-def encode_rows(x, tabs: _Tables, bits: int):
+def encode_rows(x, tabs: Tables, bits: int):
     """Packed rows uint8 ``(..., ceil(d*bits/8))`` and float32 norms ``(...)`` of ``x``.
 
     With byte-aligned rows the indices never exist in natural order: the rotation
     emits them as planes (``packing.plane_order``) that pack with no interleaving.
     """
     d = x.shape[-1]
-    if _grouped(d, tabs.rotation):
+    if grouped(d, tabs.rotation):
         packed, norms = encode_groups(x, tabs, bits)
         return packed.reshape(*x.shape[:-1], d * bits // 8), norms
-    if not _planar(d, bits):
+    if not planar(d, bits):
         idx, norms = encode_indices(x, tabs.rotation, tabs.boundaries, tabs.grid)
         return _packing.pack(idx, bits), norms
     g = _packing.plane_count(bits)
@@ -460,38 +484,38 @@ def encode_rows(x, tabs: _Tables, bits: int):
         y = jnp.matmul(u, tabs.planar_dense.T, precision=_HI).reshape(*u.shape[:-1], g, d // g)
     else:
         y = jnp.swapaxes(rotate(u, tabs.rotation).reshape(*u.shape[:-1], d // g, g), -1, -2)
-    return _packing.pack_planes(_quantize(y, tabs.boundaries, tabs.grid), bits), norms
+    return _packing.pack_planes(quantize(y, tabs.boundaries, tabs.grid), bits), norms
 
 
-def decode_rows(packed, norms, tabs: _Tables, bits: int, dtype, norm_correction=False):
+def decode_rows(packed, norms, tabs: Tables, bits: int, dtype, norm_correction=False):
     """Inverse of :func:`encode_rows`: ``(..., d)`` vectors of ``dtype``.
 
     Byte-aligned rows unpack as words straight into natural order
     (:func:`packing.unpack_groups`), so the rotation applies as is: no planes to
     interleave, no row-permuted copy of the matrix.
     """
-    d = _dim_of(tabs.rotation)
-    if not _planar(d, bits):
+    d = dim_of(tabs.rotation)
+    if not planar(d, bits):
         idx = _packing.unpack(packed, bits, d)
         return decode_indices(idx, norms, tabs.rotation, tabs.centroids, dtype, norm_correction=norm_correction)
     idx = _packing.unpack_groups(packed, bits, d).astype(jnp.int32)
     c = jnp.take(tabs.centroids, idx, mode="clip").reshape(*packed.shape[:-1], d)
     if norm_correction:
-        c = c * jax.lax.rsqrt(_sum_squares(c))[..., None]
-    return _cast(unrotate(c, tabs.rotation) * norms.astype(jnp.float32)[..., None], dtype)
+        c = c * jax.lax.rsqrt(sum_squares(c))[..., None]
+    return cast(unrotate(c, tabs.rotation) * norms.astype(jnp.float32)[..., None], dtype)
 
 
 @functools.partial(jax.jit, static_argnames="bits")
-def _encode(x, tabs, *, bits):
+def encode_jit(x, tabs, *, bits):
     return encode_rows(x, tabs, bits)
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "dtype", "norm_correction"))
-def _decode(packed, norms, tabs, *, bits, dtype, norm_correction):
+def decode_jit(packed, norms, tabs, *, bits, dtype, norm_correction):
     return decode_rows(packed, norms, tabs, bits, dtype, norm_correction)
 
 
-def _dim_of(rotation: RotationOp) -> int:
+def dim_of(rotation: RotationOp) -> int:
     return (rotation.dense if rotation.dense is not None else rotation.signs).shape[0]
 
 
@@ -507,10 +531,10 @@ def layout(dim: int, bits: int, rotation: str) -> str:
     ``"natural"`` (rows that are not byte-aligned: one bit stream over the block)."""
     if rotation != "haar" and dim % _HADAMARD_FACTOR == 0 and dim // _HADAMARD_FACTOR <= _OUTER_SUM_MAX:
         return "groups"
-    return "planar" if _planar(dim, bits) else "natural"
+    return "planar" if planar(dim, bits) else "natural"
 
 
-def encode_stream(x, tabs: _Tables, bits: int):
+def encode_stream(x, tabs: Tables, bits: int):
     """``(stream, norms)`` of a block ``x`` (B, d): ``stream`` is a uint8 array whose
     C-order flattening starts with the block's index stream (``ceil(B*d*bits/8)``
     bytes); ``norms`` float32 (B,).
@@ -521,24 +545,24 @@ def encode_stream(x, tabs: _Tables, bits: int):
     vectorize (the rule :func:`decode_groups` follows too).
     """
     dim = x.shape[-1]
-    if _grouped(dim, tabs.rotation):
+    if grouped(dim, tabs.rotation):
         return encode_groups(x, tabs, bits)
-    if _planar(dim, bits):  # byte-aligned rows: the stream is the rows
+    if planar(dim, bits):  # byte-aligned rows: the stream is the rows
         packed, norms = encode_rows(x, tabs, bits)
         return packed.reshape(-1), norms
     idx, norms = encode_indices(x, tabs.rotation, tabs.boundaries, tabs.grid)
     return _packing.pack(idx.reshape(-1), bits), norms
 
 
-def decode_stream(stream, norms, tabs: _Tables, bits: int, dtype, norm_correction=False):
+def decode_stream(stream, norms, tabs: Tables, bits: int, dtype, norm_correction=False):
     """Inverse of :func:`encode_stream`: the ``B = norms.shape[0]`` vectors of a block
     whose index stream is ``stream`` (uint8, exactly ``B*d*bits/8`` bytes, B a multiple
     of 8), as an array of ``dtype`` whose C-order flattening is ``(B, d)``."""
-    n_vec, dim = norms.shape[0], _dim_of(tabs.rotation)
-    if _grouped(dim, tabs.rotation):  # (B, d/16, 16) out: the caller's reshape is free
+    n_vec, dim = norms.shape[0], dim_of(tabs.rotation)
+    if grouped(dim, tabs.rotation):  # (B, d/16, 16) out: the caller's reshape is free
         rows = stream.reshape(n_vec, dim * bits // 8)
         return decode_groups(rows, norms, tabs, bits, dtype, norm_correction)
-    if _planar(dim, bits):  # byte-aligned rows
+    if planar(dim, bits):  # byte-aligned rows
         rows = stream.reshape(n_vec, dim * bits // 8)
         return decode_rows(rows, norms, tabs, bits, dtype, norm_correction)
     idx = _packing.unpack(stream, bits, n_vec * dim).reshape(n_vec, dim)
@@ -547,10 +571,10 @@ def decode_stream(stream, norms, tabs: _Tables, bits: int, dtype, norm_correctio
 
 def decode_stream_qjl(stream, norms, sketch, residual_norms, rotation, centroids, qjl_matrix, bits: int, dtype):
     """:func:`decode_stream` for blobs written with the QJL residual (TQ01 v1 read only)."""
-    n_vec, dim = norms.shape[0], _dim_of(rotation)
+    n_vec, dim = norms.shape[0], dim_of(rotation)
     idx = _packing.unpack(stream, bits, n_vec * dim).reshape(n_vec, dim)
     return decode_indices(idx, norms, rotation, centroids, dtype, (sketch, residual_norms, qjl_matrix))
 
 
-_decode_stream = jax.jit(decode_stream, static_argnames=("bits", "dtype", "norm_correction"))
-_decode_stream_qjl = jax.jit(decode_stream_qjl, static_argnames=("bits", "dtype"))
+decode_stream_jit = jax.jit(decode_stream, static_argnames=("bits", "dtype", "norm_correction"))
+decode_stream_qjl_jit = jax.jit(decode_stream_qjl, static_argnames=("bits", "dtype"))

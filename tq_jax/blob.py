@@ -1,34 +1,31 @@
-"""Tensors ↔ TQ01 blobs: the block driver behind :func:`dumps` and :func:`loads`.
+"""Tensors ↔ TQ01 blobs: :func:`dumps`, :func:`dump_into`, :func:`serialized_size`,
+:func:`loads`, :func:`load_into`.
 
-A tensor of any size is cut into blocks of ``block_vectors`` vectors (default: about
-2**19 coordinates on CPU, 2**20 elsewhere, so intermediates stay a few MB whatever the
-input size) and each
-block runs through one jit-compiled kernel. A block shorter than that is padded up to
-a *bucket* — the next size of the form 2**k or 3·2**(k-1), at least 8 — so a stream
-of chunks of every length compiles a few programs, not one per length: LMCache's last
-chunk of a prompt is short, and recompiling for it would cost far more than the
-padding (at most 1/3 of a partial block).
-
-Blocks are dispatched asynchronously and fetched in order, so host copies overlap
-device work. On the CPU backend, 64-byte-aligned host buffers are shared with XLA
-without a copy.
+The host pipeline: a tensor's vectors run block by block through the codec
+(:mod:`tq_jax.blocks` cuts, pads to bucket sizes and dispatches them) and the codec's
+output is written through :mod:`tq_jax.wire`'s write API. A ``jax.Array`` on an
+accelerator (and ``loads(device=)`` for one) takes the device-resident path instead
+(:mod:`tq_jax.resident`); the bytes do not depend on the path.
 """
 
 from __future__ import annotations
 
 import collections
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tq_jax import _lru
+from tq_jax import blocks as _blocks
 from tq_jax import codec as _codec
+from tq_jax import norms as _norms
 from tq_jax import options as _options
-from tq_jax import rotation as _rotation
+from tq_jax import resident as _resident
 from tq_jax import wire as _wire
+from tq_jax.blocks import DEFAULT_BLOCK_COORDS, bucket  # re-exported: part of blob's API
+from tq_jax.resident import CACHES, cache_stats, clear_caches  # noqa: F401 (blob.CACHES: its compiled programs)
+from tq_jax.wire import NORM_OVERFLOW, NormOverflowError  # the format's limit; re-exported here
 
 __all__ = [
     "dumps",
@@ -41,57 +38,6 @@ __all__ = [
     "DEFAULT_BLOCK_COORDS",
 ]
 
-DEFAULT_BLOCK_COORDS = 1 << 20  # coordinates per block: 4 MiB of float32 intermediates
-# On the CPU backend half that, so each 2 MiB float32 intermediate stays in the CPU's
-# cache between the kernel's passes (benchmarks/results/design_notes.md).
-CPU_BLOCK_COORDS = 1 << 19
-_MIN_BUCKET = 8  # a multiple of 8 vectors keeps every block's bit stream byte-aligned
-_F16_MAX = float(np.finfo(np.float16).max)
-_ALIGN = 64
-# Blocks dispatched ahead per device: enough to overlap host copies with device work,
-# few enough that a large input never has more than a few blocks' worth of copies alive.
-_IN_FLIGHT = 4
-
-NORM_OVERFLOW = (
-    "{count} of {total} vectors have an L2 norm that float16 cannot hold (largest: "
-    "{largest:.6g}; float16 tops out at 65504). TQ01 version 1 stores norms as float16, "
-    "so these vectors would silently decode as inf. Scale the tensor down before encoding, "
-    "or use the wider-norm format (TQ01 version 2, float32 norms) once your readers support it."
-)
-
-
-class NormOverflowError(ValueError):
-    """A vector's norm does not fit the float16 norms of TQ01 version 1."""
-
-
-def bucket(n: int) -> int:
-    """Smallest size >= n of the form 2**k or 3 * 2**(k-1), and at least 8."""
-    n = max(int(n), _MIN_BUCKET)
-    p = 1 << (n - 1).bit_length()  # next power of two
-    three_quarters = 3 * p // 4
-    return three_quarters if three_quarters >= n and three_quarters % _MIN_BUCKET == 0 else p
-
-
-def _block_vectors(dim: int, block_vectors: int | None, devices=()) -> int:
-    if block_vectors is None:
-        coords = CPU_BLOCK_COORDS if devices and all(_is_cpu(d) for d in devices) else DEFAULT_BLOCK_COORDS
-        block_vectors = max(_MIN_BUCKET, coords // dim)
-    block_vectors = int(block_vectors)
-    if block_vectors < _MIN_BUCKET:
-        raise ValueError(f"block_vectors must be >= {_MIN_BUCKET}, got {block_vectors}")
-    # Round down to a bucket size so full blocks and short tails share programs.
-    p = 1 << (block_vectors.bit_length() - 1)
-    three_halves = 3 * p // 2
-    return three_halves if three_halves <= block_vectors and three_halves % _MIN_BUCKET == 0 else p
-
-
-def _aligned_empty(shape, dtype) -> np.ndarray:
-    """An uninitialised C-contiguous array whose data is 64-byte aligned."""
-    dtype = np.dtype(dtype)
-    nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.empty(nbytes + _ALIGN, np.uint8)
-    off = (-raw.ctypes.data) % _ALIGN
-    return raw[off : off + nbytes].view(dtype).reshape(shape)
 
 
 def compiled_programs() -> int:
@@ -112,74 +58,6 @@ def _host_view(x) -> np.ndarray:
     if hasattr(x, "__array__") or isinstance(x, (list, tuple)):
         return np.asarray(x)
     raise TypeError(f"expected a numpy or jax array, got {type(x).__name__}")
-
-
-def _device_list(device) -> list:
-    """``None`` (JAX's default device), one device, or a sequence of devices."""
-    if device is None or isinstance(device, jax.Device):
-        return [device]
-    devices = list(device)
-    if not devices or not all(isinstance(d, jax.Device) for d in devices):
-        raise ValueError(f"device must be a jax.Device, a non-empty sequence of them, or None; got {device!r}")
-    return devices
-
-
-def _pad_rows(a: np.ndarray, rows: int) -> np.ndarray:
-    if a.shape[0] == rows:
-        return a
-    out = np.zeros((rows,) + a.shape[1:], a.dtype)
-    out[: a.shape[0]] = a
-    return out
-
-
-def _default_device() -> jax.Device:
-    """JAX's default device (``jax.default_device`` contexts included)."""
-    d = jax.config.jax_default_device
-    if isinstance(d, str):  # a platform name
-        return jax.devices(d)[0]
-    return d if d is not None else jax.devices()[0]
-
-
-def _is_cpu(device) -> bool:
-    return (device or _default_device()).platform == "cpu"
-
-
-class _Staging:
-    """Aligned host buffers, reused in turn, through which blocks reach the kernels.
-
-    Blocks are handed to the jitted kernels as numpy arrays: JAX's C++ dispatch
-    transfers them with the call, far cheaper than a separate ``jax.device_put``.
-    XLA's CPU backend shares a host buffer without copying only when it is 64-byte
-    aligned; numpy's large arrays are usually 16-byte aligned, so such blocks (and
-    padded tails) are copied here, by numpy, which copies faster than XLA does, into
-    one of ``slots`` buffers (benchmarks/results/design_notes.md has the timings). A
-    slot is rewritten only ``slots`` puts later, when the block driver has collected
-    (hence finished) the kernel that read it.
-    """
-
-    def __init__(self, slots: int):
-        self.slots = slots
-        self.bufs: dict = {}
-        self.count = 0
-        self.cpu: dict = {}
-
-    def put(self, block: np.ndarray, rows: int, device) -> np.ndarray:
-        cpu = self.cpu.get(device)
-        if cpu is None:
-            cpu = self.cpu[device] = _is_cpu(device)
-        aligned = block.ctypes.data % _ALIGN == 0 and block.flags.c_contiguous
-        if not cpu or (aligned and rows == block.shape[0]):
-            return _pad_rows(block, rows)
-        slot = self.count % self.slots
-        self.count += 1
-        shape = (rows,) + block.shape[1:]
-        buf = self.bufs.get(slot)
-        if buf is None or buf.shape != shape or buf.dtype != block.dtype:
-            buf = self.bufs[slot] = _aligned_empty(shape, block.dtype)
-        n = block.shape[0]
-        buf[:n] = block
-        buf[n:] = 0
-        return buf
 
 
 def _check_tensor(x: np.ndarray) -> str:
@@ -205,45 +83,13 @@ def _check_tensor(x: np.ndarray) -> str:
 
 def _encode_vectors(flat: np.ndarray, cfg: _codec.CodecConfig, block_vectors, devices):
     """Run the codec over host vectors ``flat`` (n, d) block by block: ([stream chunks], norms f32 (n,))."""
-    block = _block_vectors(flat.shape[1], block_vectors, devices)
-    staging = _Staging(_IN_FLIGHT * len(devices) + 1)  # see _Staging: one more than in flight
+    block = _blocks.block_vectors_for(flat.shape[1], block_vectors, devices)
+    staging = _blocks.Staging(_blocks.IN_FLIGHT * len(devices) + 1)  # see _blocks.Staging: one more than in flight
 
     def put(start, nb, rows, device):
         return staging.put(flat[start : start + nb], rows, device)
 
-    return _encode_blocks(put, flat.shape[0], cfg, block, devices, np.asarray)
-
-
-def _encode_blocks(put, n_vec: int, cfg: _codec.CodecConfig, block: int, devices, fetch):
-    """Dispatch ``codec.encode_block`` over the blocks ``put(start, nb, rows, device)``
-    returns (``rows`` = ``block``, or the last block's bucket), devices in turn, at most
-    ``_IN_FLIGHT`` per device ahead of the results, which ``fetch`` brings to the host:
-    ([stream chunks], norms f32 (n,))."""
-    dim, bits = cfg.dim, cfg.bits
-    norms = np.empty(n_vec, np.float32)
-    chunks = []
-    pending = collections.deque()
-
-    def collect():
-        start, nb, (stream, nrm) = pending.popleft()
-        used = nb * dim * bits
-        chunk = fetch(stream).reshape(-1)[: _codec.stream_nbytes(cfg, nb)]  # a view
-        if used % 8:  # the last byte also holds padding rows' bits: TQ01 wants them zero
-            chunk = chunk.copy()
-            chunk[-1] &= (1 << (used % 8)) - 1
-        chunks.append(chunk)
-        norms[start : start + nb] = fetch(nrm)[:nb]
-
-    for i, start in enumerate(range(0, n_vec, block)):
-        nb = min(block, n_vec - start)
-        rows = block if nb == block else bucket(nb)
-        device = devices[i % len(devices)]
-        pending.append((start, nb, _codec.encode_block(put(start, nb, rows, device), cfg, device)))
-        if len(pending) > _IN_FLIGHT * len(devices):
-            collect()
-    while pending:
-        collect()
-    return chunks, norms
+    return _blocks.encode_blocks(put, flat.shape[0], cfg, block, devices, np.asarray)
 
 
 def _group_view(host: np.ndarray, header: _wire.Header, g, lo, hi) -> np.ndarray:
@@ -257,106 +103,6 @@ def _raw_bytes(host: np.ndarray, header: _wire.Header) -> list:
     return [
         memoryview(np.ascontiguousarray(host[g, lo:hi]).reshape(-1).view(np.uint8)) for g, lo, hi in header.raw_ranges()
     ]
-
-
-# --------------------------------------------------------------------------- device-resident path
-#
-# Data on an accelerator stays there. A jax.Array on one device is encoded there: one
-# program cuts its blocks on the device (the last one padded to its bucket, so every
-# block has the shape the host path gives it and the bytes are the same), they run
-# through the host path's block kernels, and only the packed results and the raw
-# layers' bytes come to the host. ``loads(device=d)`` sends the blob's sections to d,
-# decodes every block there and assembles the tensor there.
-#
-# On the CPU backend a device's memory is host memory: the host pipeline reads a CPU
-# jax.Array in place (``np.asarray`` is a view) and its 64-byte-aligned output becomes
-# the result without a copy, so it already keeps the data where it lives, and it
-# pipelines blocks with bounded memory. CPU devices therefore take it; tests set
-# ``_RESIDENT_ON_CPU`` to run the accelerator path on CPU devices.
-# (benchmarks/results/device_path_cpu.md has the measurements behind this choice.)
-
-_RESIDENT_ON_CPU = False
-
-
-def _resident(device) -> bool:
-    """Whether data for ``device`` (None: JAX's default) takes the device-resident path."""
-    return _RESIDENT_ON_CPU or not _is_cpu(device)
-
-
-# Compiled programs keyed by a blob's layout and shape (a decoder's come from untrusted
-# headers): bounded, least recently used first.
-_RESIDENT_PROGRAMS = _lru.LRU("device-resident programs", max_entries=32)
-CACHES = {"device-resident programs": _RESIDENT_PROGRAMS}
-
-
-def cache_stats() -> dict:
-    """``{name: tq_jax._lru.Stats}`` of the blob layer's caches (see also codec's)."""
-    return {name: c.stats() for name, c in CACHES.items()}
-
-
-def clear_caches() -> None:
-    """Empty the blob layer's caches (programs are rebuilt, identically, on demand)."""
-    for c in CACHES.values():
-        c.clear()
-
-
-def _segment_configs(header: _wire.Header, seed: int, rotation: str, norm_correction: bool = False) -> tuple:
-    return tuple(
-        _codec.CodecConfig(header.dim, bits, seed, rotation, norm_correction) for _, bits, _, _, _ in header.segments()
-    )
-
-
-def _segment_vectors(x, g, lo, hi, dim):
-    return x.reshape(-1, dim) if g is None else x[g, lo:hi].reshape(-1, dim)
-
-
-@_RESIDENT_PROGRAMS.memoize
-def _resident_encoder(header: _wire.Header, cfgs: tuple, block: int, device):
-    """The encoder of ``header``'s layout on ``device``: x (a jax.Array there) →
-    ([(stream chunks, norms)] per segment, [raw layer bytes]).
-
-    One jitted program cuts ``x`` into every segment's blocks (the last one padded to
-    its bucket) and the raw layers' bytes; the blocks then run through the block
-    kernels the host path uses, a few in flight, and only their packed results come back.
-    """
-    segments = header.segments()
-    raw_ranges = header.raw_ranges() if header.version == _wire.VERSION_2 else []
-
-    def cut(x):
-        blocks = []
-        for g, _, lo, hi, n_vec in segments:
-            v = _segment_vectors(x, g, lo, hi, header.dim)
-            seg = []
-            for start in range(0, n_vec, block):
-                nb = min(block, n_vec - start)
-                b = v[start : start + nb]
-                seg.append(b if nb == block else jnp.pad(b, ((0, bucket(nb) - nb), (0, 0))))
-            blocks.append(seg)
-        raw = [jax.lax.bitcast_convert_type(x[g, lo:hi], jnp.uint8).reshape(-1) for g, lo, hi in raw_ranges]
-        return blocks, raw
-
-    placed = jax.sharding.SingleDeviceSharding(device)
-    cut = jax.jit(cut, in_shardings=placed, out_shardings=placed)
-
-    def encode(x):
-        blocks, raw = cut(x)
-        encoded = []
-        for seg, cfg, (_, _, _, _, n_vec) in zip(blocks, cfgs, segments):
-            put = functools.partial(lambda seg, start, nb, rows, _: seg[start // block], seg)
-            encoded.append(_encode_blocks(put, n_vec, cfg, block, [device], jax.device_get))
-        return encoded, jax.device_get(raw)
-
-    return encode
-
-
-def _encode_resident(x, header: _wire.Header, options: _options.Options, block_vectors, device):
-    """``x`` (a jax.Array) encoded on ``device``: ([(stream chunks, norms)] per segment, raw pieces)."""
-    if device not in x.devices():
-        x = jax.device_put(x, device)  # device to device
-    cfgs = _segment_configs(header, options.seed, options.rotation)
-    block = _block_vectors(header.dim, block_vectors, [device])
-    encoded, raw = _resident_encoder(header, cfgs, block, device)(x)
-    return encoded, [memoryview(r) for r in raw]
 
 
 def _norm_overflow(norms: list) -> tuple[int, int, float]:
@@ -389,21 +135,21 @@ def _single_device(x, device):
 def _encode(x, options: _options.Options, block_vectors, device):
     """Encode ``x`` under ``options``: (header, ``wire.pieces`` of the blob)."""
     dev = _single_device(x, device)
-    if dev is not None and _resident(dev):
+    if dev is not None and _resident.takes(dev):
         dtype = _check_tensor(x)
         shape = tuple(x.shape)
         header = options.header(shape, dtype)  # validates the shape for the options
-        encoded, raw = _encode_resident(x, header, options, block_vectors, dev)
+        encoded, raw = _resident.encode(x, header, options, block_vectors, dev)
     else:
         host = _host_view(x)
         dtype = _check_tensor(host)
         host = np.ascontiguousarray(host)
         shape = host.shape
         header = options.header(shape, dtype)  # validates the shape for the options
-        devices = _device_list(device if dev is None else dev)
+        devices = _blocks.device_list(device if dev is None else dev)
         encoded = []
-        for g, bits, lo, hi, _ in header.segments():
-            cfg = _codec.CodecConfig(header.dim, bits, options.seed, options.rotation)
+        for g, _, lo, hi, _ in header.segments():
+            cfg = options.codec_config(header.dim, 1 if g == 1 else 0)  # g None: one group, key_bits
             encoded.append(_encode_vectors(_group_view(host, header, g, lo, hi), cfg, block_vectors, devices))
         raw = _raw_bytes(host, header) if header.version == _wire.VERSION_2 else []
 
@@ -417,7 +163,7 @@ def _encode(x, options: _options.Options, block_vectors, device):
     norm_sections = []
     for (_, norms), (_, _, _, _, n_vec) in zip(encoded, header.segments()):
         if header.norm_bits:
-            ranges, codes = _codec.encode_log_norms(norms, header.norm_groups(n_vec), header.norm_bits)
+            ranges, codes = _norms.encode_log_norms(norms, header.norm_groups(n_vec), header.norm_bits)
             norm_sections.append(_wire.NormCodes(ranges, codes, header.norm_bits, n_vec))
         else:
             norm_sections.append(norms.astype(ndt))
@@ -540,80 +286,31 @@ def _np_dtype(dtype):
     return np.dtype(jnp.dtype(dtype))
 
 
-def _decode_blocks(stream, norms, cfg, n_vec: int, block: int, dtype, devices, put, qjl=None):
-    """Dispatch ``codec.decode_block`` over one segment's blocks, devices in turn,
-    yielding ``(start, nb, result)`` as each is dispatched (results not waited for).
-
-    ``put(piece, nbytes, device)`` hands a block's stream bytes to the kernel,
-    zero-padded to ``nbytes`` (the block's bucket); ``qjl`` is ``(sketch,
-    residual_norms, [matrix per device])`` for QJL blobs. A segment of no vectors
-    dispatches nothing, so builds no rotation (a 50-byte blob may name a huge one).
-    """
-    dim, bits = cfg.dim, cfg.bits
-    for i, start in enumerate(range(0, n_vec, block)):
-        dev = devices[i % len(devices)]
-        nb = min(block, n_vec - start)
-        rows = block if nb == block else bucket(nb)
-        lo = start * dim * bits // 8  # exact: start is a multiple of 8
-        hi = min(len(stream), lo + (nb * dim * bits + 7) // 8)
-        # numpy arguments follow the tables, which are committed to `dev`
-        piece = put(stream[lo:hi], rows * dim * bits // 8, dev)
-        nrm = _pad_rows(norms[start : start + nb], rows)
-        block_qjl = None
-        if qjl is not None:
-            sketch, residual, matrices = qjl
-            block_qjl = (
-                _pad_rows(sketch[start : start + nb], rows),
-                _pad_rows(residual[start : start + nb], rows),
-                matrices[i % len(devices)],
-            )
-        yield start, nb, _codec.decode_block(piece, nrm, cfg, dtype, dev, block_qjl)
-
-
 def _decode_vectors(stream, norms, out_flat, cfg, block_vectors, devices, qjl=None):
     """Decode one segment's stream + norms into the host array ``out_flat`` (n, d),
-    at most ``_IN_FLIGHT`` blocks per device ahead of the copies out."""
+    at most ``_blocks.IN_FLIGHT`` blocks per device ahead of the copies out."""
     n_vec, dim = out_flat.shape
-    block = _block_vectors(dim, block_vectors, devices)
+    block = _blocks.block_vectors_for(dim, block_vectors, devices)
     pending = collections.deque()
-    staging = _Staging(_IN_FLIGHT * len(devices) + 1)  # see _Staging: one more than in flight
+    staging = _blocks.Staging(_blocks.IN_FLIGHT * len(devices) + 1)  # see _blocks.Staging: one more than in flight
 
     def collect():
         start, nb, res = pending.popleft()
         out_flat[start : start + nb] = np.asarray(res).reshape(-1, dim)[:nb]  # a view
 
-    for item in _decode_blocks(stream, norms, cfg, n_vec, block, jnp.dtype(out_flat.dtype), devices, staging.put, qjl):
+    for item in _blocks.decode_blocks(stream, norms, cfg, n_vec, block, jnp.dtype(out_flat.dtype), devices, staging.put, qjl):
         pending.append(item)
-        if len(pending) > _IN_FLIGHT * len(devices):
+        if len(pending) > _blocks.IN_FLIGHT * len(devices):
             collect()
     while pending:
         collect()
 
 
-def _segment_inputs(p: _wire.Parsed, devices):
-    """Per segment ``(config, stream, float32 norms)`` of a parsed blob, and the QJL
-    inputs (``None`` unless the blob has them) with its matrix on each device."""
-    h = p.header
-    qjl = None
-    if h.use_qjl and h.num_vectors:
-        try:
-            m = _rotation.qjl_matrix(h.dim, h.qjl_sketch_size, h.seed)
-        except ValueError as e:
-            raise _wire.BadFieldError(f"TQ01 QJL blob cannot be decoded: {e}") from None
-        qjl = (p.sketch, p.residual_norms, [jax.device_put(m, d) for d in devices])
-    segments = []
-    for (_, bits, _, _, _), stream, norms in zip(h.segments(), p.indices, p.norms):
-        if isinstance(norms, _wire.NormCodes):
-            norms = _codec.decode_log_norms(norms.ranges, norms.codes, norms.bits, norms.count)
-        segments.append((_codec.CodecConfig(h.dim, bits, h.seed, h.rotation, h.norm_correction), stream, norms))
-    return segments, qjl
-
-
 def _decode_parsed(p: _wire.Parsed, out: np.ndarray, block_vectors, device) -> None:
     h = p.header
-    devices = _device_list(device)
+    devices = _blocks.device_list(device)
     out = out.reshape(h.shape)
-    segments, qjl = _segment_inputs(p, devices)
+    segments, qjl = _blocks.segment_inputs(p, devices)
     for (g, _, lo, hi, _), (cfg, stream, norms) in zip(h.segments(), segments):
         _decode_vectors(stream, norms, _group_view(out, h, g, lo, hi), cfg, block_vectors, devices, qjl)
     src_dt = _np_dtype(jnp.dtype(h.dtype))
@@ -623,57 +320,6 @@ def _decode_parsed(p: _wire.Parsed, out: np.ndarray, block_vectors, device) -> N
         n = part.size * src_dt.itemsize
         part[...] = p.raw[off : off + n].view(src_dt).reshape(part.shape)
         off += n
-
-
-# A blob decoded onto one device: its blocks run through the same block kernels as
-# the host path, every one dispatched at once (their results are the output, so
-# nothing is gained by waiting), and one program per layout assembles them with the
-# raw layers into the tensor, on the device. No host output buffer is filled.
-
-
-@_RESIDENT_PROGRAMS.memoize
-def _resident_assembler(header: _wire.Header, dtype, block: int, device):
-    """The jitted program (block results per segment, raw bytes) → the blob's tensor on ``device``."""
-    segments = tuple(header.segments())
-    raw_ranges = tuple(header.raw_ranges())
-    src = jnp.dtype(header.dtype)
-    dim = header.dim
-
-    def assemble(blocks, raw):
-        out = jnp.zeros(header.shape, dtype)
-        for (g, _, lo, hi, n), seg in zip(segments, blocks):
-            if n == 0:
-                continue
-            v = jnp.concatenate([b.reshape(-1, dim) for b in seg])[:n] if len(seg) > 1 else seg[0].reshape(-1, dim)[:n]
-            if g is None:
-                out = v.reshape(header.shape)
-            else:
-                out = out.at[g, lo:hi].set(v.reshape(out[g, lo:hi].shape))
-        off = 0
-        for g, lo, hi in raw_ranges:
-            part_shape = out[g, lo:hi].shape
-            count = math.prod(part_shape) * src.itemsize
-            vals = jax.lax.bitcast_convert_type(raw[off : off + count].reshape(-1, src.itemsize), src)
-            out = out.at[g, lo:hi].set(vals.reshape(part_shape).astype(dtype))
-            off += count
-        return out
-
-    placed = jax.sharding.SingleDeviceSharding(device)
-    return jax.jit(assemble, in_shardings=placed, out_shardings=placed)
-
-
-def _decode_resident(p: _wire.Parsed, dtype, block_vectors, device) -> jax.Array:
-    """The blob's tensor decoded on ``device`` and born there."""
-    h = p.header
-    block = _block_vectors(h.dim, block_vectors, [device])
-    segments, qjl = _segment_inputs(p, [device])
-    results = []
-    for (_, _, _, _, n), (cfg, stream, norms) in zip(h.segments(), segments):
-        put = lambda piece, nbytes, _: _pad_rows(piece, nbytes)  # noqa: E731 (no staging: nothing is reused)
-        blocks = _decode_blocks(stream, norms, cfg, n, block, dtype, [device], put, qjl)
-        results.append(tuple(res for _, _, res in blocks))
-    raw = jax.device_put(p.raw if len(p.raw) else np.zeros(0, np.uint8), device)
-    return _resident_assembler(h, dtype, block, device)(tuple(results), raw)
 
 
 def _check_out_dtype(dtype):
@@ -708,14 +354,14 @@ def loads(blob, *, dtype=None, block_vectors: int | None = None, device=None) ->
     """
     p = _wire.parse(blob)
     dt = _check_out_dtype(p.header.dtype if dtype is None else dtype)
-    target = _default_device() if device is None else device
-    if isinstance(target, jax.Device) and _resident(target):  # decoded where it will live
-        return _decode_resident(p, dt, block_vectors, target)
-    out = _aligned_empty(p.header.shape, _np_dtype(dt))
+    target = _blocks.default_device() if device is None else device
+    if isinstance(target, jax.Device) and _resident.takes(target):  # decoded where it will live
+        return _resident.decode(p, dt, block_vectors, target)
+    out = _blocks.aligned_empty(p.header.shape, _np_dtype(dt))
     _decode_parsed(p, out, block_vectors, device)
     # Zero-copy on CPU: `out` is 64-byte aligned. With several devices the result
     # lands on the first.
-    return jax.device_put(out, _device_list(device)[0])
+    return jax.device_put(out, _blocks.device_list(device)[0])
 
 
 def load_into(blob, out: np.ndarray, *, block_vectors: int | None = None, device=None) -> _wire.Header:

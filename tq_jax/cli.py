@@ -10,7 +10,9 @@ Usage::
 Errors a person can fix (missing or corrupt file, wrong dtype, head_dim that does not
 divide, ...) end with one line on stderr and exit status 1; usage errors exit 2.
 Ctrl-C (SIGINT) or SIGTERM ends a command at once with one line on stderr and exit
-status 130 or 143, leaving no partial output (see :class:`_Interrupts`).
+status 130 or 143, leaving no partial output (:class:`tq_jax.interrupts.Interrupts`).
+This module parses arguments, dispatches and prints; ``inspect``'s engine is
+:mod:`tq_jax.batch.inspect`, the codec flags come from :mod:`tq_jax.flags`.
 See docs/cli.md.
 """
 
@@ -21,14 +23,12 @@ import contextlib
 import importlib
 import json
 import logging
-import math
 import os
 import shutil
-import signal
 import sys
-import threading
 import time
-import types
+
+from tq_jax.interrupts import Interrupts
 
 
 
@@ -47,14 +47,15 @@ class _OnFirstUse:
 
 
 _batch = _OnFirstUse("tq_jax.batch")
+_inspect = _OnFirstUse("tq_jax.batch.inspect")
+_flags = _OnFirstUse("tq_jax.flags")
 _st = _OnFirstUse("tq_jax.safetensors_io")
 _codebook = _OnFirstUse("tq_jax.codebook")
 _options = _OnFirstUse("tq_jax.options")
 _wire = _OnFirstUse("tq_jax.wire")
-__all__ = ["main", "build_parser", "CliError", "option_flags", "options_from_args"]
+__all__ = ["main", "build_parser", "CliError", "options_from_args"]
 
 PROG = "tq-jax"
-DEFAULT_BITS = 4  # --bits when neither it nor a preset nor --key-bits/--value-bits says
 
 
 class CliError(Exception):
@@ -64,106 +65,6 @@ class CliError(Exception):
 def _error(msg: str) -> int:
     print(f"{PROG}: error: {' '.join(str(msg).split())}", file=sys.stderr)
     return 1
-
-
-# --------------------------------------------------------------------------- signals
-
-
-class _Interrupts:
-    """While a command runs, SIGINT and SIGTERM end the process at once, cleanly.
-
-    On either signal: delete the temporary file of every unfinished output
-    (:func:`safetensors_io.remove_temp_files`) and run the registered cleanups, print
-    one line on stderr, and end with ``os._exit(128 + signum)`` — 130 for Ctrl-C, 143
-    for SIGTERM. No exception unwinds and the interpreter is not torn down: a
-    ``KeyboardInterrupt`` can be swallowed (raised inside a garbage-collector callback
-    such as JAX's it is only printed as "Exception ignored"), and tearing the
-    interpreter down while XLA's threads still run could crash (SIGSEGV).
-
-    Python runs a signal handler only between bytecodes of the main thread, which can
-    sit in one XLA call for seconds, so the Python-level handler does nothing and a
-    watcher thread does the work, woken through :func:`signal.set_wakeup_fd` (written
-    by the C-level handler the moment the signal arrives).
-
-    Installed only from the main thread (``signal`` allows nothing else) and by the
-    outermost :func:`main`; leaving the ``with`` block restores the previous handlers.
-    """
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-    active: "_Interrupts | None" = None  # the installed one
-
-    def __init__(self):
-        self._cleanups: list = []
-        self._lock = threading.Lock()
-        self._saved = None
-
-    @classmethod
-    def at_exit(cls, fn) -> None:
-        """Call ``fn()`` (best effort) if a signal ends the process during this command."""
-        if cls.active is not None:
-            cls.active._cleanups.append(fn)
-
-    def __enter__(self):
-        if threading.current_thread() is not threading.main_thread() or _Interrupts.active is not None:
-            return self
-        r, w = os.pipe()
-        os.set_blocking(w, False)
-        try:
-            old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-            old = {s: signal.signal(s, self._note) for s in self.SIGNALS}
-        except (ValueError, OSError):
-            os.close(r)
-            os.close(w)
-            return self
-        self._saved = (old_fd, old, w)
-        _Interrupts.active = self
-        threading.Thread(target=self._watch, args=(r,), name="tq-jax-signals", daemon=True).start()
-        return self
-
-    def __exit__(self, *exc):
-        if self._saved is None:
-            return
-        old_fd, old, w = self._saved
-        self._saved = None
-        _Interrupts.active = None
-        for s, h in old.items():
-            signal.signal(s, h)
-        signal.set_wakeup_fd(old_fd)
-        os.close(w)  # the watcher reads end-of-file and stops
-
-    @staticmethod
-    def _note(signum, frame):
-        pass  # the watcher thread acts: this handler only makes the C handler wake it
-
-    def _watch(self, r: int) -> None:
-        try:
-            while data := os.read(r, 64):
-                for signum in data:
-                    if signum in self.SIGNALS:
-                        self._end(signum)
-        finally:
-            os.close(r)
-
-    def _end(self, signum: int) -> None:
-        self._lock.acquire()  # never released: the process ends here
-        for fn in reversed(self._cleanups):
-            try:
-                fn()
-            except Exception:
-                pass
-        # Not imported, or still importing (a signal during the import): no writer has started.
-        remove = getattr(sys.modules.get("tq_jax.safetensors_io"), "remove_temp_files", None)
-        if remove is not None:
-            try:
-                remove()
-            except Exception:
-                pass
-        what = "interrupted" if signum == signal.SIGINT else f"terminated by {signal.Signals(signum).name}"
-        try:  # os.write: the main thread may hold sys.stderr's lock mid-write
-            os.write(2, f"\n{PROG}: {what}\n".encode())
-        except OSError:
-            pass
-        os._exit(128 + signum)
 
 
 # --------------------------------------------------------------------------- logging
@@ -283,7 +184,7 @@ def _run(args, plan_fn, verb: str) -> int:
             out0 = os.path.abspath(args.output.rstrip(os.sep) or args.output)
             parts = args.parts_dir or os.path.join(os.path.dirname(out0), f".{os.path.basename(out0)}.tq-parts")
             if cluster.index == 0:  # what its `finally` would do, had a signal not ended the process
-                _Interrupts.at_exit(lambda: shutil.rmtree(parts, ignore_errors=True))
+                Interrupts.at_exit(lambda: shutil.rmtree(parts, ignore_errors=True))
             tag = f"[{cluster.index}/{cluster.count}] {verb}"
             plans, _ = _dist.run_distributed(
                 cluster, open_plans, devices, parts,
@@ -316,55 +217,13 @@ def _run(args, plan_fn, verb: str) -> int:
 # --------------------------------------------------------------------------- commands
 
 
-def _options_cls(options_cls=None):
-    return _options.Options if options_cls is None else options_cls
-
-
-def option_flags(options_cls=None) -> tuple[str, ...]:
-    """The codec option flags' ``args`` names: one per field of :class:`tq_jax.Options`
-    (``key_bits`` is ``--key-bits``), generated from ``dataclasses.fields``."""
-    import dataclasses
-
-    return tuple(f.name for f in dataclasses.fields(_options_cls(options_cls)))
-
-
 def options_from_args(args, options_cls=None):
-    """The :class:`tq_jax.Options` the compress flags ask for (validated).
-
-    A ``--preset`` gives the starting values; ``--bits`` sets every field without a
-    default (both groups' bits; :data:`DEFAULT_BITS` when nothing sets them); any other
-    flag given overrides.
+    """The :class:`tq_jax.Options` the compress flags ask for (:func:`tq_jax.flags.options_from_args`).
 
     Raises:
         CliError: the options are invalid (the message names the field and the value).
     """
-    import dataclasses
-
-    import tq_jax
-
-    cls = _options_cls(options_cls)
-    fields = dataclasses.fields(cls)
-    opts = dict(tq_jax.PRESETS[args.preset]) if args.preset else {}
-    required = [f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-    if args.bits is not None:
-        opts.update(dict.fromkeys(required, args.bits))
-    for f in fields:
-        value = getattr(args, f.name)
-        if value is not None:  # not given (booleans: store_true with default None)
-            opts[f.name] = value
-    for name in required:
-        opts.setdefault(name, DEFAULT_BITS)
-    try:
-        return cls(**opts)
-    except (TypeError, ValueError) as e:
-        raise CliError(f"invalid codec options: {e}") from None
-
-
-def codec_options(args) -> dict:
-    """:func:`options_from_args` as a dict of every :class:`tq_jax.Options` field."""
-    import dataclasses
-
-    return dataclasses.asdict(options_from_args(args))
+    return _flags.options_from_args(args, options_cls, CliError)
 
 
 def cmd_compress(args) -> int:
@@ -390,132 +249,9 @@ def _chunk_bytes(mb: float) -> int:
     return max(1, int(mb * 2**20))
 
 
-def _header_labels(h) -> tuple[str, str]:
-    """(bits, other options) of a TQ01 header, compactly: ("4/3", "raw 2+2, hadamard, f32 norms")."""
-    kv = h.kv_layout
-    bits = f"{h.bits}/{h.value_bits}" if kv and h.value_bits != h.bits else str(h.bits)
-    return bits, _options_label(
-        skip_first_layers=h.skip_first if kv else 0,
-        skip_last_layers=h.skip_last if kv else 0,
-        rotation=h.rotation, norm_dtype=h.norm_dtype, norm_bits=h.norm_bits,
-        norm_correction=h.norm_correction, checksum=h.checksum, qjl=h.use_qjl,
-    )
-
-
-def _options_label(**o) -> str:
-    out = []
-    if o.get("skip_first_layers") or o.get("skip_last_layers"):
-        out.append(f"raw {o.get('skip_first_layers', 0)}+{o.get('skip_last_layers', 0)}")
-    if o.get("rotation", "haar") != "haar":
-        out.append(o["rotation"])
-    if o.get("norm_dtype") == "float32":
-        out.append("f32 norms")
-    if o.get("norm_bits"):
-        out.append(f"{o['norm_bits']}-bit log norms")
-    if o.get("norm_correction"):
-        out.append("norm corr")
-    if o.get("checksum"):
-        out.append("crc32")
-    if o.get("qjl"):
-        out.append("qjl")
-    return ", ".join(out) or "-"
-
-
-def _inspect_doc(path: str) -> dict:
-    import numpy as np
-
-    import tq_jax
-
-    path = _batch.check_input(path)
-    with open(path, "rb") as f:
-        magic = f.read(4)
-        size = os.fstat(f.fileno()).st_size
-    if magic == b"TQ01":  # a bare blob (memory-mapped: a v2 checksum covers all of it)
-        try:
-            h = tq_jax.peek_header(np.memmap(path, np.uint8, mode="r"))
-        except tq_jax.WireError as e:
-            raise CliError(f"{path}: corrupt TQ01 blob: {e}") from None
-        orig = math.prod(h.shape) * _st.DTYPES[_batch.TQ_DTYPES[("bfloat16", "float16", "float32").index(h.dtype)]].itemsize
-        bits, opts = _header_labels(h)
-        return {"file": path, "kind": "TQ01 blob", "bytes": size, "tensors": [{
-            "name": os.path.basename(path), "kind": "TQ01", "dtype": h.dtype, "shape": list(h.shape),
-            "bits": bits, "seed": h.seed, "version": h.version, "options": opts, "blobs": 1,
-            "stored_bytes": size, "original_bytes": orig, "ratio": orig / size if size else None,
-            "blob_headers": [h._asdict()],
-        }]}
-    with _batch.open_source(path) as src:
-        doc = _batch.read_tq_metadata(src)
-        metas = doc["tensors"] if doc else {}
-        rows = []
-        for info in src.tensors.values():
-            meta = metas.get(info.name)
-            if meta is None:
-                rows.append({"name": info.name, "kind": "raw", "dtype": info.dtype, "shape": list(info.shape),
-                             "stored_bytes": info.nbytes, "original_bytes": info.nbytes, "ratio": 1.0})
-                continue
-            headers = _batch.blob_headers(src, info.name, meta)
-            hs = [h for _, _, h in headers]
-            orig = math.prod(meta["shape"]) * _st.DTYPES[meta["dtype"]].itemsize
-            o = meta.get("options") if isinstance(meta.get("options"), dict) else {}
-            if o:  # what the writer asked for (chunks of a KV tensor carry their local share)
-                kb, vb = o.get("key_bits"), o.get("value_bits")
-                bits = str(kb) if kb == vb else f"{kb}/{vb}"
-                opts = _options_label(**o, qjl=any(h.use_qjl for h in hs))
-            else:
-                labels = sorted({_header_labels(h) for h in hs})
-                bits, opts = ",".join(sorted({b for b, _ in labels})), "; ".join(sorted({x for _, x in labels}))
-            seeds = sorted({h.seed for h in hs})
-            versions = sorted({h.version for h in hs})
-            rows.append({
-                "name": info.name, "kind": "TQ01", "dtype": meta["dtype"], "shape": meta["shape"],
-                "bits": bits, "seed": seeds[0] if len(seeds) == 1 else seeds,
-                "version": versions[0] if len(versions) == 1 else versions, "options": opts,
-                "blobs": len(hs), "stored_bytes": info.nbytes, "original_bytes": orig,
-                "ratio": orig / info.nbytes if info.nbytes else None,
-                "blob_headers": [dict(h._asdict(), offset=off, nbytes=nb) for off, nb, h in headers],
-            })
-        user_meta = {k: v for k, v in src.metadata.items() if k != _batch.META_KEY}
-        return {"file": path, "kind": f"tq-jax {src.kind}" if doc else src.kind, "bytes": size,
-                "format_version": doc["version"] if doc else None, "metadata": user_meta, "tensors": rows}
-
-
-def _cell(v) -> str:
-    return ",".join(map(str, v)) if isinstance(v, list) else str(v)
-
-
 def cmd_inspect(args) -> int:
-    doc = _inspect_doc(args.file)
-    if args.json:
-        print(json.dumps(doc, indent=2, default=list))
-        return 0
-    rows = [["name", "kind", "dtype", "shape", "bits", "seed", "ver", "blobs", "stored", "original", "ratio",
-             "options"]]
-    for t in doc["tensors"]:
-        tq = t["kind"] == "TQ01"
-        rows.append([
-            t["name"], t["kind"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar",
-            _cell(t["bits"]) if tq else "-", _cell(t["seed"]) if tq else "-", _cell(t["version"]) if tq else "-",
-            str(t["blobs"]) if tq else "-", f"{t['stored_bytes']:,}", f"{t['original_bytes']:,}",
-            f"{t['ratio']:.2f}x" if t["ratio"] else "-", t["options"] if tq else "",
-        ])
-        if args.verbose and tq:
-            for i, h in enumerate(t["blob_headers"]):
-                bits, opts = _header_labels(types.SimpleNamespace(**h))
-                rows.append([f"  blob {i}", "", h["dtype"], "x".join(map(str, h["shape"])), bits,
-                             str(h["seed"]), str(h["version"]), "", f"{h.get('nbytes', doc['bytes']):,}", "", "",
-                             opts])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    print(f"{doc['file']}: {doc['kind']}, {doc['bytes']:,} bytes, {len(doc['tensors'])} tensor(s)")
-    for k, v in (doc.get("metadata") or {}).items():
-        print(f"  metadata {k} = {v if len(v) <= 80 else v[:77] + '...'}")
-    for r in rows:
-        cells = [c.ljust(w) if i < 4 or i == 11 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))]
-        print("  " + "  ".join(cells).rstrip())
-    stored = sum(t["stored_bytes"] for t in doc["tensors"])
-    orig = sum(t["original_bytes"] for t in doc["tensors"])
-    n_tq = sum(t["kind"] == "TQ01" for t in doc["tensors"])
-    print(f"total: {n_tq} TQ01 tensor(s), {len(doc['tensors']) - n_tq} raw; {stored:,} bytes stored, "
-          f"{orig:,} original" + (f" ({orig / stored:.2f}x)" if stored else ""))
+    doc = _inspect.describe(args.file)
+    print(json.dumps(doc, indent=2, default=list) if args.json else _inspect.render(doc, args.verbose))
     return 0
 
 
@@ -580,44 +316,6 @@ def _version() -> str:
         return tq_jax.__version__
 
 
-def _flag_kwargs(f) -> dict:
-    """argparse keywords of the flag of Options field ``f``, from its type and metadata.
-
-    Every flag defaults to None (not given: the preset's or the field's default
-    applies); a bool is ``store_true``; an int or str with a short list of allowed values
-    gets them as ``choices`` (a field's ``off`` value included); the help is the
-    field's help plus its default.
-    """
-    import dataclasses
-
-    kind, m = _options.field_type(f), f.metadata
-    values, off = m.get("values"), m.get("off")
-    help_ = m["help"]
-    if f.default is not dataclasses.MISSING and kind is not bool:
-        help_ += f" (default: {f.default})"
-    if kind is bool:
-        return dict(action="store_true", default=None, help=help_)
-    kw = dict(type=kind, default=None, help=help_)
-    if values is not None and len(values) <= 16:
-        choices = tuple(values) if off is None else (off, *values)
-        kw["choices"] = choices
-        if kind is int:
-            kw["metavar"] = "{" + ",".join(filter(None, (str(off) if off is not None else "", _options.describe_values(values)))) + "}"
-    elif kind is int:
-        kw["metavar"] = "N"
-    return kw
-
-
-def add_option_flags(parser, v2_group, options_cls=None) -> None:
-    """One flag per field of ``options_cls`` (default :class:`tq_jax.Options`): version-1
-    fields on ``parser``, version-2 fields in ``v2_group``."""
-    import dataclasses
-
-    for f in dataclasses.fields(_options_cls(options_cls)):
-        where = parser if f.metadata["version"] == 1 else v2_group
-        where.add_argument("--" + f.name.replace("_", "-"), dest=f.name, **_flag_kwargs(f))
-
-
 def build_parser(options_cls=None) -> argparse.ArgumentParser:
     """The ``tq-jax`` argument parser; ``compress``'s codec flags come from ``options_cls``
     (default :class:`tq_jax.Options`), one per field."""
@@ -637,12 +335,12 @@ def build_parser(options_cls=None) -> argparse.ArgumentParser:
     _add_run_options(p, "compress")
     p.add_argument("--bits", type=int, choices=_codebook.BITS_RANGE,
                    metavar="{" + _options.describe_values(_codebook.BITS_RANGE) + "}",
-                   help=f"bits per coordinate of every group (default: {DEFAULT_BITS}); "
+                   help=f"bits per coordinate of every group (default: {_flags.DEFAULT_BITS}); "
                         f"{', '.join(map(str, _wire.READ_BITS_V1[:-1]))} and {_wire.READ_BITS_V1[-1]} "
                         "keep TQ01 version 1, the reference's format, unless another option needs version 2")
     g = p.add_argument_group("TQ01 version 2 options (blobs the reference cannot read)")
     g.add_argument("--preset", choices=sorted(tq_jax.PRESETS), help="a named set of options (later flags override)")
-    add_option_flags(p, g, options_cls)
+    _flags.add_option_flags(p, g, options_cls)
     p.add_argument("--head-dim", type=int, default=128, help="vector length (default: 128)")
     p.add_argument("--all", action="store_true",
                    help="compress every floating tensor, splitting a last axis of n*head_dim into (n, head_dim); "
@@ -682,7 +380,7 @@ def build_parser(options_cls=None) -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     """Entry point of the ``tq-jax`` console script; returns the exit status."""
-    with _Interrupts():  # first: a signal from here on ends the process cleanly
+    with Interrupts(PROG):  # first: a signal from here on ends the process cleanly
         return _main(argv)
 
 

@@ -13,7 +13,7 @@ Encode, per vector ``x`` of length ``d`` (computed in float32, as the reference 
    that step 2 emits the indices as *planes* (``packing.plane_order``), which pack
    without interleaving — same bytes, fewer passes. The Hadamard rotation does the
    same per group of 16 coordinates when ``d`` is 16, 32, …, 128
-   (:func:`encode_groups`).
+   (``tq_jax._kernels.encode_groups``).
 
 Decode: ``x̂ = (c[idx] @ Q) · n``, cast to the requested dtype. Byte-aligned rows
 unpack as words straight into natural order (:func:`packing.unpack_groups`), so the
@@ -50,26 +50,11 @@ from tq_jax import codebook as _codebook
 from tq_jax import packing as _packing
 from tq_jax import rotation as _rotation
 
-# The kernels, re-exported under the names they have always had here.
-from tq_jax._kernels import (  # noqa: F401
-    NORM_EPS,
-    _cast,
-    _dim_of,
-    _grouped,
-    _planar,
-    _quantize,
-    _quantizer,
-    _squared_norms,
-    _sum_squares,
-    decode_groups,
-    decode_indices,
-    decode_rows,
-    encode_groups,
-    encode_indices,
-    encode_rows,
-    rotate,
-    unrotate,
-)
+# The rotation as arrays and the two rotation kernels are part of codec's public API.
+from tq_jax._kernels import RotationOp, rotate, unrotate
+# Log-coded norms live in tq_jax.norms. kvcache still reads `codec.decode_log_norms`:
+# this name goes when kvcache imports tq_jax.norms (tests/test_layering.py allow-list).
+from tq_jax.norms import decode_log_norms  # noqa: F401
 
 if TYPE_CHECKING:  # annotations only; jaxtyping is not a runtime dependency
     from jaxtyping import Array, Float, Float32, UInt8
@@ -90,12 +75,7 @@ __all__ = [
     "decode_stream",
     "encode_block",
     "decode_block",
-    "encode_log_norms",
-    "decode_log_norms",
-    "ROTATIONS",
 ]
-
-ROTATIONS = _rotation.ROTATIONS  # the one list of rotation names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,9 +112,9 @@ class CodecConfig:
             )
         if not isinstance(self.seed, (int, np.integer)) or isinstance(self.seed, bool):
             raise ValueError(f"`seed` must be an int, got {self.seed!r}.")
-        if self.rotation not in ROTATIONS:
+        if self.rotation not in _rotation.ROTATIONS:
             raise ValueError(
-                f"`rotation` must be one of {ROTATIONS}, got {self.rotation!r}: 'haar' is the "
+                f"`rotation` must be one of {_rotation.ROTATIONS}, got {self.rotation!r}: 'haar' is the "
                 f"reference's dense rotation, 'hadamard' the fast structured one."
             )
         if not isinstance(self.norm_correction, (bool, np.bool_)):
@@ -164,27 +144,6 @@ class Encoded(NamedTuple):
     norms: "Float32[Array, '*batch']"
 
 
-class RotationOp(NamedTuple):
-    """A rotation as arrays (a pytree): ``dense`` for Haar, ``signs``/``odd`` for Hadamard."""
-
-    dense: "Float32[Array, 'd d'] | None" = None
-    signs: "Float32[Array, ' d'] | None" = None
-    odd: "Float32[Array, 'm m'] | None" = None
-
-
-class _Tables(NamedTuple):
-    """Host (numpy) arrays a codec closes over; built once per config."""
-
-    rotation: RotationOp
-    centroids: np.ndarray  # float32 (2**bits,)
-    boundaries: np.ndarray  # float32 (2**bits - 1,)
-    grid: tuple | None  # (lo, inv_width, start int32 (M,), bound float32 (M,)) for bits > 4
-    # The dense rotation with its rows in planar order (packing.plane_order), so that
-    # ``rotate`` yields coordinates ready to pack; None for Hadamard (its output is
-    # regrouped in the kernel) or when rows are not byte-aligned (dim*bits % 8 != 0).
-    planar_dense: np.ndarray | None
-
-
 # Keyed by header fields (a decoder meets whatever seed and head_dim a blob names), so
 # every cache here is a bounded tq_jax._lru.LRU: by entries and by bytes held.
 _TABLE_CACHE_SIZE = 64
@@ -192,25 +151,25 @@ _TABLE_CACHE_BYTES = 128 << 20  # a Haar table at MAX_DENSE_DIM holds two dense 
 _TABLES = _lru.LRU("codec tables", _TABLE_CACHE_SIZE, _TABLE_CACHE_BYTES)
 
 
-def _build_tables(dim: int, bits: int, seed: int, rotation: str) -> _Tables:
-    cb, grid = _quantizer(dim, bits)
+def _build_tables(dim: int, bits: int, seed: int, rotation: str) -> _kernels.Tables:
+    cb, grid = _kernels.quantizer(dim, bits)
     planar_dense = None
     if rotation == "haar":
         op = RotationOp(dense=_rotation.haar_rotation(dim, seed))
-        if _planar(dim, bits):
+        if _kernels.planar(dim, bits):
             planar_dense = np.ascontiguousarray(op.dense[_packing.plane_order(dim, bits)])
             planar_dense.flags.writeable = False
     else:
         st = _rotation.structured_rotation(dim, seed)
         op = RotationOp(signs=st.signs, odd=st.odd)
-    return _Tables(op, cb.centroids, cb.boundaries, grid, planar_dense)
+    return _kernels.Tables(op, cb.centroids, cb.boundaries, grid, planar_dense)
 
 
-def _tables(dim: int, bits: int, seed: int, rotation: str) -> _Tables:
+def _tables(dim: int, bits: int, seed: int, rotation: str) -> _kernels.Tables:
     return _TABLES.get_or_create((dim, bits, seed, rotation), lambda: _build_tables(dim, bits, seed, rotation))
 
 
-def tables(config: CodecConfig) -> _Tables:
+def tables(config: CodecConfig) -> _kernels.Tables:
     """The rotation and codebook arrays of ``config`` (cached, read-only numpy)."""
     return _tables(config.dim, config.bits, config.seed, config.rotation)
 
@@ -225,13 +184,13 @@ _device_cache = _lru.LRU("codec device tables", _DEVICE_CACHE_SIZE, _TABLE_CACHE
 _device_rotations = _lru.LRU("codec device rotations", _DEVICE_CACHE_SIZE, _TABLE_CACHE_BYTES)
 
 
-def _to_arrays(t: _Tables, put, rot: RotationOp) -> _Tables:
+def _to_arrays(t: _kernels.Tables, put, rot: RotationOp) -> _kernels.Tables:
     grid = None if t.grid is None else tuple(put(np.asarray(a)) for a in t.grid)
     planar = None if t.planar_dense is None else put(t.planar_dense)
-    return _Tables(rot, put(t.centroids), put(t.boundaries), grid, planar)
+    return _kernels.Tables(rot, put(t.centroids), put(t.boundaries), grid, planar)
 
 
-def device_tables(config: CodecConfig, device=None) -> _Tables:
+def device_tables(config: CodecConfig, device=None) -> _kernels.Tables:
     """``tables(config)`` as concrete device arrays, transferred once per device.
 
     Safe to call while JAX traces a user's ``jit``/``vmap``/``shard_map``: the tables
@@ -398,10 +357,10 @@ def decode_block(stream, norms, config: CodecConfig, dtype, device=None, qjl=Non
         _note_program(key)
     if qjl is not None:
         sketch, residual, matrix = qjl
-        return _kernels._decode_stream_qjl(
+        return _kernels.decode_stream_qjl_jit(
             stream, norms, sketch, residual, tabs.rotation, tabs.centroids, matrix, bits=config.bits, dtype=dtype
         )
-    return _kernels._decode_stream(
+    return _kernels.decode_stream_jit(
         stream, norms, tabs, bits=config.bits, dtype=dtype, norm_correction=config.norm_correction
     )
 
@@ -438,7 +397,7 @@ def encode(x: "Float[Array, '*batch dim']", config: CodecConfig) -> Encoded:
         ValueError: if the last axis is not ``config.dim`` or ``x`` is not floating.
 
     Leading axes are batched natively, so there is no need to ``vmap`` this; under
-    ``vmap`` the Hadamard encoder runs both its paths (see :func:`encode_groups`).
+    ``vmap`` the Hadamard encoder runs both its paths (see ``tq_jax._kernels.encode_groups``).
 
     Examples:
         >>> import jax.numpy as jnp
@@ -448,7 +407,7 @@ def encode(x: "Float[Array, '*batch dim']", config: CodecConfig) -> Encoded:
         ((3, 32), (3,))
     """
     x = _check_input(x, config)
-    return Encoded(*_kernels._encode(x, device_tables(config), bits=config.bits))
+    return Encoded(*_kernels.encode_jit(x, device_tables(config), bits=config.bits))
 
 
 def decode(encoded: Encoded, config: CodecConfig, dtype=jnp.float32) -> "Float[Array, '*batch dim']":
@@ -470,7 +429,7 @@ def decode(encoded: Encoded, config: CodecConfig, dtype=jnp.float32) -> "Float[A
             f"dim={config.dim}, bits={config.bits}; got packed {tuple(packed.shape)} and "
             f"norms {tuple(jnp.shape(norms))}."
         )
-    return _kernels._decode(
+    return _kernels.decode_jit(
         packed,
         norms,
         device_tables(config),
@@ -478,90 +437,3 @@ def decode(encoded: Encoded, config: CodecConfig, dtype=jnp.float32) -> "Float[A
         dtype=jnp.dtype(dtype),
         norm_correction=config.norm_correction,
     )
-
-
-# --------------------------------------------------------------------------- log-coded norms
-#
-# TQ01 v2 ``norm_bits``: instead of one float per vector, a ``norm_bits``-bit code per
-# vector on a log-uniform grid spanning its group's range. At head_dim 64 a float16 norm
-# costs 16/64 = 0.25 bit per element, a 6-bit code 6/64 ≈ 0.094 (the effect on model
-# quality: benchmarks/results/quality_lm.md, presets turbo-3.5 and turbo-2.5). Host-side
-# numpy: there is one norm per vector, so this is d times less work than the indices.
-
-NORM_CODE_BITS = range(2, 9)  # codes 1..2**b - 1 span [lo, hi]; code 0 is an exact zero norm
-
-
-def _check_norm_bits(bits) -> int:
-    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or int(bits) not in NORM_CODE_BITS:
-        raise ValueError(
-            f"`norm_bits` must be an int in 2..8, got {bits!r}: norms become codes on a log-uniform "
-            f"grid of 2**norm_bits - 1 levels (code 0 is an exact zero norm)."
-        )
-    return int(bits)
-
-
-def _pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
-    """LSB-first bit stream of ``codes`` (n,) at ``bits`` each: ceil(n * bits / 8) bytes."""
-    planes = (codes[:, None].astype(np.uint16) >> np.arange(bits, dtype=np.uint16)) & 1
-    return np.packbits(planes.astype(np.uint8).reshape(-1), bitorder="little")
-
-
-def _unpack_codes(stream: np.ndarray, bits: int, n: int) -> np.ndarray:
-    planes = np.unpackbits(np.asarray(stream, np.uint8), count=n * bits, bitorder="little").reshape(n, bits)
-    return (planes.astype(np.uint16) << np.arange(bits, dtype=np.uint16)).sum(1, dtype=np.uint16)
-
-
-def encode_log_norms(norms: np.ndarray, groups: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """Quantize float32 norms to ``bits``-bit log-uniform codes, one grid per group.
-
-    ``norms`` (n,) splits into ``groups`` equal consecutive runs (a layer's vectors in a
-    KV segment). Per group: ``lo``/``hi`` = float32 ln of its smallest positive and
-    largest norm (0, 0 when none is positive), ``step = (hi - lo) / (2**bits - 2)``;
-    code 0 is a zero norm, code ``c >= 1`` stands for ``exp(lo + (c - 1) * step)``:
-    ``c = 1 + round((ln n - lo) / step)``, the nearest level in log space.
-
-    Returns:
-        ``(ranges float32 (groups, 2) of (lo, hi), codes uint8 (ceil(n*bits/8),))``.
-
-    Raises:
-        ValueError: a norm is not finite (the input held inf or NaN), or ``n`` does
-            not split into ``groups``.
-    """
-    bits = _check_norm_bits(bits)
-    n = np.asarray(norms, np.float32).reshape(-1)
-    if groups <= 0 or n.size % groups:
-        if n.size or groups < 0:
-            raise ValueError(f"{n.size} norms do not split into {groups} equal groups")
-        return np.zeros((max(groups, 0), 2), np.float32), np.zeros(0, np.uint8)
-    if not np.isfinite(n).all():
-        raise ValueError(
-            f"{int((~np.isfinite(n)).sum())} vectors have a non-finite L2 norm (the input holds inf or NaN): "
-            f"log-coded norms (norm_bits) cannot represent them. Clean the input or use float norms (norm_bits=0)."
-        )
-    g = n.reshape(groups, -1).astype(np.float64)
-    pos = g > 0
-    ln = np.log(np.where(pos, g, 1.0))
-    lo = np.where(pos, ln, np.inf).min(1, initial=np.inf)
-    hi = np.where(pos, ln, -np.inf).max(1, initial=-np.inf)
-    empty = ~np.isfinite(lo)
-    lo, hi = np.where(empty, 0.0, lo), np.where(empty, 0.0, hi)
-    ranges = np.stack([lo, hi], 1).astype(np.float32)
-    lo64, hi64 = ranges[:, :1].astype(np.float64), ranges[:, 1:].astype(np.float64)
-    step = (hi64 - lo64) / (2**bits - 2)
-    t = np.divide(ln - lo64, step, out=np.zeros_like(ln), where=step > 0)
-    codes = np.where(pos, 1 + np.clip(np.rint(t), 0, 2**bits - 2), 0).astype(np.uint16)
-    return ranges, _pack_codes(codes.reshape(-1), bits)
-
-
-def decode_log_norms(ranges: np.ndarray, codes: np.ndarray, bits: int, n: int) -> np.ndarray:
-    """The float32 norms (n,) that :func:`encode_log_norms`' ``(ranges, codes)`` stand for."""
-    ranges = np.asarray(ranges, np.float32).reshape(-1, 2)
-    groups = ranges.shape[0]
-    if n == 0 or groups == 0:
-        return np.zeros(n, np.float32)
-    c = _unpack_codes(codes, bits, n).reshape(groups, -1).astype(np.float32)
-    lo, hi = ranges[:, :1], ranges[:, 1:]
-    step = (hi - lo) / np.float32(2**bits - 2)
-    with np.errstate(over="ignore", under="ignore"):
-        out = np.exp(lo + (c - 1) * step)
-    return np.where(c > 0, out, np.float32(0)).astype(np.float32).reshape(-1)

@@ -11,7 +11,7 @@ reference's, version 2 otherwise.
 ``dataclasses.field(metadata=field_metadata(...))`` holds its help text, the TQ01
 version a non-default value needs and its allowed values. Validation here, the LMCache
 bridge's option table (:func:`tq_jax.bridge.registry.option_table`) and the
-``tq-jax compress`` flags (:func:`tq_jax.cli.build_parser`) are generated from
+``tq-jax compress`` flags (:mod:`tq_jax.flags`) are generated from
 ``dataclasses.fields(Options)``: a new option is a new field (plus, when blobs must
 record it, its header field in :mod:`tq_jax.wire` and its use in the codec).
 """
@@ -19,6 +19,7 @@ record it, its header field in :mod:`tq_jax.wire` and its use in the codec).
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 
@@ -26,11 +27,9 @@ from tq_jax import codebook as _codebook
 from tq_jax import rotation as _rotation
 from tq_jax import wire as _wire
 
-__all__ = ["Options", "NORM_DTYPES", "ROTATIONS", "PRESETS", "check_field", "describe_values", "field_metadata",
+__all__ = ["Options", "PRESETS", "FieldSpec", "field_specs", "check_field", "describe_values", "field_metadata",
            "field_type"]
 
-NORM_DTYPES = ("auto",) + tuple(_wire.NORM_DTYPES)
-ROTATIONS = _rotation.ROTATIONS
 _BITS_WHY = "it sets the codebook size 2**bits."
 _NORM_BITS_WHY = "0 keeps float norms; 2..8 store each norm as a code on a log-uniform grid of 2**norm_bits - 1 levels."
 
@@ -95,6 +94,42 @@ def check_field(f: dataclasses.Field, value, name: str | None = None):
     return value
 
 
+class FieldSpec(NamedTuple):
+    """One field of an options dataclass as every generator sees it (:func:`field_specs`).
+
+    The ``tq-jax compress`` flags (:mod:`tq_jax.flags`) are built from these, and so can
+    any other front end (the LMCache bridge's option table reads the same fields).
+    """
+
+    name: str
+    kind: type  # int, bool or str
+    default: object  # None when the field has no default (``required``)
+    required: bool
+    help: str
+    version: int  # the TQ01 version a non-default value needs
+    values: object  # a range of ints, a tuple of choices, or None (any value of ``kind``)
+    off: object  # a value accepted outside ``values`` that turns the feature off, or None
+    why: str
+
+    def choices(self, most: int = 16) -> tuple | None:
+        """The allowed values as a tuple (``off`` first), when there are at most ``most``."""
+        if self.values is None or len(self.values) > most:
+            return None
+        return tuple(self.values) if self.off is None else (self.off, *self.values)
+
+
+def field_specs(options_cls=None) -> tuple[FieldSpec, ...]:
+    """The :class:`FieldSpec` of every field of ``options_cls`` (default :class:`Options`),
+    from ``dataclasses.fields`` and each field's :func:`field_metadata`."""
+    out = []
+    for f in dataclasses.fields(Options if options_cls is None else options_cls):
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        m = f.metadata
+        out.append(FieldSpec(f.name, field_type(f), None if required else f.default, required, m["help"],
+                             m["version"], m.get("values"), m.get("off"), m.get("why", "")))
+    return tuple(out)
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
     """How to encode: every field a plain hashable scalar.
@@ -139,11 +174,11 @@ class Options:
         "store the last N layers as their exact bytes", 2,
         values=range(0, _wire.MAX_SKIP_LAYERS + 1), why="a count of layers kept raw."))
     rotation: str = dataclasses.field(default="haar", metadata=field_metadata(
-        "haar (the reference's dense rotation) or hadamard (fast, structured)", 2, values=ROTATIONS,
+        "haar (the reference's dense rotation) or hadamard (fast, structured)", 2, values=_rotation.ROTATIONS,
         why="'haar' is the reference's dense rotation, 'hadamard' the fast structured one (TQ01 v2)."))
     norm_dtype: str = dataclasses.field(default="auto", metadata=field_metadata(
         "float16 (v1), float32 (never overflows), or auto: float16 unless a norm overflows it, then float32",
-        2, values=NORM_DTYPES))
+        2, values=("auto", *_wire.NORM_DTYPES)))
     norm_correction: bool = dataclasses.field(default=False, metadata=field_metadata(
         "decoders rescale centroid vectors to unit length", 2))
     checksum: bool = dataclasses.field(default=False, metadata=field_metadata(
@@ -245,6 +280,21 @@ class Options:
     def serialized_size(self, shape, dtype) -> int:
         """Exact blob length for ``shape``/``dtype`` (``norm_dtype="auto"``: the float16 case)."""
         return _wire.blob_nbytes(self.header(shape, dtype))
+
+    def codec_config(self, dim: int, group: int = 0):
+        """The :class:`tq_jax.CodecConfig` of group ``group`` (0: keys, ``key_bits``;
+        1: values, ``value_bits``) for vectors of length ``dim``: the codec settings of
+        these options (seed, rotation, norm correction), one schema for both.
+
+        Raises:
+            ValueError: ``group`` is not 0 or 1, or ``dim`` is not a valid head_dim.
+        """
+        from tq_jax import codec as _codec  # jax: imported when a codec is asked for
+
+        if group not in (0, 1):
+            raise ValueError(f"`group` must be 0 (keys, key_bits) or 1 (values, value_bits), got {group!r}.")
+        bits = self.key_bits if group == 0 else self.value_bits
+        return _codec.CodecConfig(dim, bits, self.seed, self.rotation, self.norm_correction)
 
     def replace(self, **changes) -> "Options":
         return dataclasses.replace(self, **changes)

@@ -50,7 +50,7 @@ __all__ = [
     "MAX_HEADER_SIZE",
     "DTYPES",
     "SafetensorsError",
-    "TruncatedError",
+    "TruncatedFileError",
     "HeaderTooLargeError",
     "InvalidHeaderError",
     "InvalidDtypeError",
@@ -101,7 +101,7 @@ class SafetensorsError(ValueError):
     """A file is not valid safetensors. Subclasses name the cause."""
 
 
-class TruncatedError(SafetensorsError):
+class TruncatedFileError(SafetensorsError):
     """The file ends before the 8-byte length prefix or the header it declares."""
 
 
@@ -243,7 +243,7 @@ def parse_header(header: bytes, file_size: int) -> Header:
         SafetensorsError: one subclass per cause (see the module docstring).
     """
     if file_size < _U64.size or len(header) < _U64.size:
-        raise TruncatedError(
+        raise TruncatedFileError(
             f"not a safetensors file: it has {file_size} bytes, fewer than the 8-byte header length prefix."
         )
     (n,) = _U64.unpack_from(header, 0)
@@ -253,7 +253,7 @@ def parse_header(header: bytes, file_size: int) -> Header:
             f"corrupt or not safetensors."
         )
     if _U64.size + n > file_size or len(header) < _U64.size + n:
-        raise TruncatedError(
+        raise TruncatedFileError(
             f"safetensors header declares {n} bytes but the file has only {file_size - _U64.size} "
             f"after the length prefix: the file is truncated or not safetensors."
         )

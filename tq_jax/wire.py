@@ -64,6 +64,8 @@ __all__ = [
     "Parsed",
     "WireError",
     "TruncatedError",
+    "NormOverflowError",
+    "NORM_OVERFLOW",
     "BadMagicError",
     "UnsupportedVersionError",
     "BadFieldError",
@@ -84,7 +86,6 @@ __all__ = [
     "write_into",
     "header_bytes",
     "header_nbytes",
-    "serialized_size",
     "blob_nbytes",
     "section_sizes",
     "parse",
@@ -141,6 +142,19 @@ class WireError(ValueError):
 
 class TruncatedError(WireError):
     """The blob ends before a field or section it declares."""
+
+
+class NormOverflowError(ValueError):
+    """A vector's norm does not fit the float16 norms of TQ01 version 1 (a writer's
+    error: the format cannot hold the value, so no blob is written)."""
+
+
+NORM_OVERFLOW = (
+    "{count} of {total} vectors have an L2 norm that float16 cannot hold (largest: "
+    "{largest:.6g}; float16 tops out at 65504). TQ01 version 1 stores norms as float16, "
+    "so these vectors would silently decode as inf. Scale the tensor down before encoding, "
+    "or use the wider-norm format (TQ01 version 2, float32 norms) once your readers support it."
+)
 
 
 class BadMagicError(WireError):
@@ -272,7 +286,7 @@ class NormCodes(NamedTuple):
 
     ``ranges`` float32 (groups, 2): (lo, hi) = ln of the smallest positive and largest
     norm of each group; ``codes`` uint8: the LSB-first stream of ``count`` codes of
-    ``bits`` bits (``tq_jax.codec.decode_log_norms`` turns them into norms).
+    ``bits`` bits (``tq_jax.norms.decode_log_norms`` turns them into norms).
     """
 
     ranges: np.ndarray
@@ -344,17 +358,6 @@ def blob_nbytes(header: Header) -> int:
         n += 8 + (n_vec * dim * bits + 7) // 8 + 8 + header.norms_nbytes(n_vec)
     n += 8 + header.raw_nbytes()
     return n + (_U32.size if header.checksum else 0)
-
-
-def serialized_size(shape, dtype: str, bits: int, *, use_qjl: bool = False, qjl_sketch_size: int = 64) -> int:
-    """Exact TQ01 v1 blob length for a tensor of ``shape`` and ``dtype`` at ``bits``.
-
-    Computed from the layout alone (no data), so an LMCache ``estimate_serialized_size``
-    built on it is exact. For version-2 settings see :func:`tq_jax.blob.serialized_size`.
-    """
-    dtype = dtype_name(dtype)
-    h = Header(bits, 0, tuple(int(s) for s in shape), dtype, use_qjl, qjl_sketch_size)
-    return blob_nbytes(h)
 
 
 def dtype_name(dtype) -> str:

@@ -51,12 +51,15 @@ __all__ = [
     "tensor_entry",
     "to_json",
     "read_tq_metadata",
+    "CODEC",
     "blob_headers",
 ]
 
 FORMAT = "tq-jax"
 FORMAT_VERSION = 1
 META_KEY = "tq_jax"
+CODEC = "TQ01"  # the one codec a tensor entry may name (its blobs are TQ01, tq_jax.wire)
+
 # What TQ01 can record as a tensor's original dtype, as safetensors names, in the
 # order of wire.DTYPES (bfloat16, float16, float32).
 TQ_DTYPES = tuple(st.dtype_name(np.dtype(name)) for name in _wire.DTYPES)
@@ -65,7 +68,7 @@ TQ_DTYPES = tuple(st.dtype_name(np.dtype(name)) for name in _wire.DTYPES)
 def tensor_entry(dtype: str, shape: tuple, head_dim: int, options: dict, blobs: list) -> dict:
     """One tensor's entry of the document (``options``: the Options fields as a dict)."""
     return {
-        "codec": "TQ01",
+        "codec": CODEC,
         "dtype": dtype,
         "shape": list(shape),
         "head_dim": head_dim,
@@ -138,6 +141,12 @@ def blob_headers(src, name: str, meta: dict) -> list:
         raise BatchError(f"{where}: corrupt tq_jax metadata entry {meta!r}") from None
     if dtype not in TQ_DTYPES or any(b < 0 for b in blobs) or any(s < 0 for s in shape):
         raise BatchError(f"{where}: corrupt tq_jax metadata entry {meta!r}")
+    if meta.get("codec") != CODEC:
+        raise BatchError(
+            f"{where}: the tq_jax metadata names codec {meta.get('codec')!r}, but this tq-jax reads only "
+            f"{CODEC!r} blobs: the file was written by another tool or a newer tq-jax; decode it with the "
+            f"tool that wrote it, or upgrade tq-jax."
+        )
     if info.dtype != "U8" or len(info.shape) != 1 or info.shape[0] != sum(blobs):
         raise BatchError(
             f"{where} should be a 1-D U8 tensor of {sum(blobs)} bytes (its blobs), but is "

@@ -25,6 +25,7 @@ import numpy as np
 
 from tq_jax import safetensors_io as st
 from tq_jax.batch.errors import BatchError
+from tq_jax.wire import MAGIC
 
 __all__ = ["Source", "open_source", "check_input", "read_npy_header", "MAX_NPY_HEADER_SIZE"]
 
@@ -258,6 +259,21 @@ def _open_npz(path) -> Source:
     return Source(path, "npz", tensors, {}, arrays=arrays, f=f)
 
 
+BARE_BLOB = (
+    "{path}: this is a bare TQ01 blob (one tensor's bytes, as tq_jax.dumps writes them), not a tensor file: "
+    "compress/decompress read and write safetensors/.npy/.npz files. Decode it in Python with "
+    "tq_jax.loads(open({path!r}, 'rb').read()), or run `tq-jax inspect {path}` to see its header."
+)
+
+
+def _refuse_bare_blob(path: str) -> None:
+    """A file starting with the TQ01 magic is a blob, not safetensors: say so (its first
+    8 bytes would otherwise read as an absurd safetensors header length)."""
+    with open(path, "rb") as f:
+        if f.read(len(MAGIC)) == MAGIC:
+            raise BatchError(BARE_BLOB.format(path=path))
+
+
 def open_source(path) -> Source:
     """Open an input file by its extension (.npy, .npz, anything else: safetensors).
 
@@ -271,6 +287,7 @@ def open_source(path) -> Source:
             return _open_npy(path)
         if ext == ".npz":
             return _open_npz(path)
+        _refuse_bare_blob(path)
         reader = st.SafetensorsReader(path)
         return Source(path, "safetensors", dict(reader.tensors), dict(reader.metadata), reader=reader)
     except st.SafetensorsError as e:

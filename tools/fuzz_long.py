@@ -1,7 +1,7 @@
 """Long fuzz run of the TQ01 parser, the blob decoder and the LMCache bridge deserializer.
 
-    python benchmarks/fuzz_long.py                       # 120k cases + 30k atheris runs
-    python benchmarks/fuzz_long.py --cases 2000 --atheris-runs 0   # a quick look
+    python tools/fuzz_long.py                       # 120k cases + 30k atheris runs
+    python tools/fuzz_long.py --cases 2000 --atheris-runs 0   # a quick look
 
 Every case is a byte string built one of four ways from a corpus of valid TQ01 blobs
 (version 1 at 2/3/4/6/8 bits, a version-1 QJL blob, version 2 with per-K/V bits, raw
@@ -453,13 +453,21 @@ class BridgeCheck:
     def __init__(self, np, tq_jax):
         import torch
 
-        sys.path.insert(0, str(ROOT / "tests"))
-        from bridge_util import byte_obj, make_obj  # noqa: PLC0415
+        from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj  # noqa: PLC0415
 
         from tq_jax.bridge import dlpack, serde  # noqa: PLC0415
 
+        def make_obj(shapes, dtypes):
+            """A TensorMemoryObj over fresh 4096-byte-aligned memory (LMCache's L1 alignment)."""
+            shapes = [torch.Size(x) for x in shapes]
+            n = sum(x.numel() * d.itemsize for x, d in zip(shapes, dtypes))
+            raw = torch.empty(n + 4096, dtype=torch.uint8)
+            off = -raw.data_ptr() % 4096
+            meta = MemoryObjMetadata(shapes[0], dtypes[0], 0, n, 1, shapes=shapes, dtypes=list(dtypes))
+            return TensorMemoryObj(raw[off : off + n], meta, None)
+
         self.np, self.torch, self.tq_jax = np, torch, tq_jax
-        self.byte_obj, self.make_obj, self.dlpack = byte_obj, make_obj, dlpack
+        self.byte_obj, self.make_obj, self.dlpack = (lambda n: make_obj([(n,)], [torch.uint8])), make_obj, dlpack
         self.de = serde.TQJaxDeserializer()
         self.shape_mismatch = serde.SHAPE_MISMATCH.split("{")[0]
         self.count = collections.Counter()
@@ -565,7 +573,7 @@ def leak_check(n: int) -> str:
             samples.append((i + 1, round((tracemalloc.get_traced_memory()[0] - t0) / MIB, 2), round(rss_mib() - rss0, 1)))
     tracemalloc.stop()
     return (f"- leak check: {n} decodes with fresh seeds + {n * len(bad)} refused blobs; growth (decodes, traced MiB, "
-            f"RSS MiB) {samples}; device-table cache {len(tq_jax.codec._device_cache)} entries")
+            f"RSS MiB) {samples}; device-table cache {len(tq_jax.codec.CACHES['device tables'])} entries")
 
 
 # ----------------------------------------------------------------------------- atheris
@@ -627,8 +635,8 @@ def main(argv=None) -> int:
     ap.add_argument("--leak-check", type=int, default=0, help="then decode N fresh-seed blobs and report growth")
     ap.add_argument("--clear-jit-every", type=int, default=10_000,
                     help="jax.clear_caches() every N cases (0: never); see the RSS note in the output")
-    ap.add_argument("--out", default=str(HERE / "results" / "fuzz_long.md"))
-    ap.add_argument("--findings", default=str(HERE / "results" / "fuzz_findings"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fuzz_long.md"))
+    ap.add_argument("--findings", default=str(ROOT / "benchmarks" / "results" / "fuzz_findings"))
     ap.add_argument("--atheris-child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.atheris_child:
@@ -653,7 +661,7 @@ def main(argv=None) -> int:
             rss_samples.append((i, round(rss_mib(), 1)))
             print(f"[{i}/{args.cases}] {time.time() - t_start:.0f}s rss {rss_samples[-1][1]} MiB "
                   f"programs {programs + compiled_programs(run.tq_jax)} device tables "
-                  f"{len(run.tq_jax.codec._device_cache)} findings {len(run.findings)} "
+                  f"{len(run.tq_jax.codec.CACHES['device tables'])} findings {len(run.findings)} "
                   f"seconds {dict((k, round(v)) for k, v in run.seconds.items())}", flush=True)
     programs += compiled_programs(run.tq_jax)
     rss_samples.append((args.cases, round(rss_mib(), 1)))
@@ -665,7 +673,7 @@ def main(argv=None) -> int:
     lines = [
         "# Long fuzz run (benchmarks/fuzz_long.py)",
         "",
-        f"Command: `python benchmarks/fuzz_long.py --cases {args.cases} --seed {args.seed} "
+        f"Command: `python tools/fuzz_long.py --cases {args.cases} --seed {args.seed} "
         f"--bridge-every {args.bridge_every} --atheris-runs {args.atheris_runs} "
         f"--clear-jit-every {args.clear_jit_every} --leak-check {args.leak_check}`  ",
         f"jax {jax.__version__}, {os.cpu_count()} CPUs; {elapsed:.0f} s for {args.cases} cases "
@@ -689,7 +697,7 @@ def main(argv=None) -> int:
         f"- slowest decode: {run.slowest[0] * 1e3:.0f} ms ({run.slowest[1]})",
         f"- compiled programs (decode signatures met, summed over JIT clears every "
         f"{args.clear_jit_every} cases): {programs}; device-table cache at the end: "
-        f"{len(run.tq_jax.codec._device_cache)} entries",
+        f"{len(run.tq_jax.codec.CACHES['device tables'])} entries",
         f"- RSS: {rss0:.0f} MiB after start-up, samples (case, MiB) {rss_samples}, ru_maxrss {maxrss:.0f} MiB",
         "- time by case kind (s): " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(run.seconds.items())),
         leak,
