@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tq_jax import blob as _blob
 from tq_jax import codec as _codec
+from tq_jax import norms as _norms
 from tq_jax import options as _options
 from tq_jax import wire as _wire
 from tq_jax.kvcache import scoring as _scoring
@@ -106,7 +106,7 @@ def export(cache: KVCache, seq: int = 0, page: int | None = None) -> bytes:
     slots = cfg.page_tokens if page is not None else cfg.pages_per_seq * cfg.page_tokens
     *parts, overflowed = _gather_jit(cache, np.int32(seq), np.int32(lo), np.int32(hi), slots=slots)
     if bool(overflowed):
-        raise _blob.NormOverflowError(
+        raise _wire.NormOverflowError(
             f"sequence {seq} holds vectors whose norm overflowed float16 when appended (stored as inf): "
             f"TQ01 with float16 norms cannot represent them. Re-append them scaled down."
         )
@@ -157,7 +157,7 @@ def _check_blob(cfg: CacheConfig, h: _wire.Header, limit: int, where: str) -> in
 def _float_norms(norms) -> np.ndarray:
     """One segment's norms as floats: float16/float32 as stored, log codes decoded."""
     if isinstance(norms, _wire.NormCodes):
-        return _codec.decode_log_norms(norms.ranges, norms.codes, norms.bits, norms.count)
+        return _norms.decode_log_norms(norms.ranges, norms.codes, norms.bits, norms.count)
     return norms
 
 
@@ -177,7 +177,7 @@ def _cache_norms(norms: np.ndarray, codes: np.ndarray, config: _codec.CodecConfi
     n16 = n.astype(np.float16)
     over = np.isfinite(n) & np.isinf(n16)
     if over.any():
-        raise _blob.NormOverflowError(
+        raise _wire.NormOverflowError(
             f"{int(over.sum())} of the blob's norms exceed float16 (largest {float(n[over].max()):.6g}), "
             f"the cache's norm dtype: they cannot be loaded. Decode the blob with tq_jax.loads instead."
         )

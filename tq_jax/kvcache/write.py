@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tq_jax import blob as _blob
 from tq_jax import codec as _codec
+from tq_jax import wire as _wire
 from tq_jax.kvcache import scoring as _scoring
 from tq_jax.kvcache.state import KVCache
 
@@ -230,7 +230,7 @@ def append(cache: KVCache, k, v, new_lengths=None) -> KVCache:
         _check_room(cache, np.asarray(new_lengths), n_new)
     new, overflowed = _append_jit(cache, k, v, new_lengths)
     if concrete(overflowed) and int(overflowed):
-        raise _blob.NormOverflowError(NORM_OVERFLOW.format(count=int(overflowed)))
+        raise _wire.NormOverflowError(NORM_OVERFLOW.format(count=int(overflowed)))
     return new
 
 
