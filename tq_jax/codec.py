@@ -52,9 +52,6 @@ from tq_jax import rotation as _rotation
 
 # The rotation as arrays and the two rotation kernels are part of codec's public API.
 from tq_jax._kernels import RotationOp, rotate, unrotate
-# Log-coded norms live in tq_jax.norms. kvcache still reads `codec.decode_log_norms`:
-# this name goes when kvcache imports tq_jax.norms (tests/test_layering.py allow-list).
-from tq_jax.norms import decode_log_norms  # noqa: F401
 
 if TYPE_CHECKING:  # annotations only; jaxtyping is not a runtime dependency
     from jaxtyping import Array, Float, Float32, UInt8
