@@ -13,12 +13,12 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 
 import pytest
+from conftest import free_port
 
 BINARY = "redis-server"
 HOST = "127.0.0.1"  # never any other address
@@ -36,12 +36,6 @@ def require_binary() -> str:
             pytest.fail(MISSING + " CI is set, so this is an error rather than a skip.")
         pytest.skip(MISSING)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:

@@ -9,7 +9,6 @@ import logging
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ import tq_jax.bridge  # noqa: E402
 from tq_jax.bridge import register  # noqa: E402
 
 from bridge_util import Events, build_manager, key, mean_cosine, store_evict_prefetch  # noqa: E402
+from conftest import free_port  # noqa: E402
 
 from tq_jax.bridge import registry as reg_mod  # noqa: E402
 pytestmark = [
@@ -295,12 +295,6 @@ def test_plugin_refuses_misplaced_serde(tmp_path):
 # ----------------------------------------------------------------------------- launcher
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env():
     env = dict(os.environ, PYTHONWARNINGS="ignore", LMCACHE_LOG_LEVEL="INFO")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
@@ -332,7 +326,7 @@ def test_launcher_starts_lmcache_server_with_tq_jax_serde(tmp_path):
         sys.executable, "-m", "tq_jax.bridge.launch", "server",
         "--l1-size-gb", "0.05", "--eviction-policy", "LRU",
         "--l2-adapter", json.dumps(adapter),
-        "--port", str(_free_port()), "--http-port", str(_free_port()),
+        "--port", str(free_port()), "--http-port", str(free_port()),
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
