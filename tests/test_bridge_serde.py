@@ -364,12 +364,24 @@ def test_missing_platform_fails_at_factory_time():
 
 
 def test_explicit_device_object():
+    """A ``jax.Device`` is used as given (not parsed as a name): the serializer writes the
+    core's blob for the per-head shape, and the deserializer decodes it as ``loads`` does."""
     dev = jax.devices("cpu")[0]
     shape = (2, 1, 8, 256)
     ser, de = S.TQJaxSerializer(device=dev), S.TQJaxDeserializer(device=dev)
-    buf = byte_obj(ser.estimate_serialized_size(layout([shape], [BF16])))
-    ser.serialize(kv(shape), buf, key(0))
-    de.deserialize(buf, make_obj([shape], [BF16]), key(0))
+    assert ser.device is dev and de.device is dev
+    src = kv(shape)
+    size = ser.estimate_serialized_size(layout([shape], [BF16]))
+    buf = byte_obj(size)
+    assert ser.serialize(src, buf, key(0)) == size
+    blob = bytes(buf.tensor.numpy())
+    assert blob == tq_jax.dumps(dlpack.numpy_view(src.tensor).reshape(2, 1, 8, 2, 128), bits=4)
+    out = make_obj([shape], [BF16])
+    out.tensor.fill_(-7)
+    de.deserialize(buf, out, key(0))
+    expected = tq_jax.loads(blob, dtype=dlpack.numpy_dtype(BF16)).reshape(shape)
+    np.testing.assert_array_equal(dlpack.numpy_view(out.tensor), expected)
+    assert mean_cosine(src.tensor, out.tensor, 128) >= 0.994
 
 
 def test_norm_overflow_is_a_clear_error_not_a_v2_blob():
