@@ -1,4 +1,4 @@
-"""Accelerator proof (issue 24): correctness on the device, then the codec, the cache's
+"""Accelerator proof: correctness on the device, then the codec, the cache's
 decode attention and a SmolLM2-shaped model's decode speed, in one table.
 
     python benchmarks/accelerator.py                   # whatever accelerator JAX sees; <= 8 min on one GPU

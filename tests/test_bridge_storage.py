@@ -113,8 +113,9 @@ def test_fs_round_trip_w1_v2_options(tmp_path, chunks):
 
 @pytest.mark.parametrize("preset", sweep(["turbo-3.5", "turbo-2.5"]))
 def test_fs_round_trip_w1_turbo_presets(tmp_path, chunks, preset):
-    """The issue-13 presets through the real StorageManager: exact sizes from the layout
-    (log-coded norms included), the bytes tq_jax writes offline, quality per group."""
+    """The turbo-* presets (mixed key/value bits) through the real StorageManager: exact
+    sizes from the layout (log-coded norms included), the bytes tq_jax writes offline,
+    quality per group."""
     register()
     events = Events()
     serde = {"type": "tq_jax", "head_dim": 128, "preset": preset}

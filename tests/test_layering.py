@@ -17,8 +17,8 @@ Rules (docs/architecture.md):
   module.
 * No module over :data:`MAX_LINES` lines, except ``tq_jax/wire.py`` (the one parser).
 
-``KNOWN`` lists offenders that other branches are removing; the lead empties it when
-they land. A listed offence that no longer occurs fails too, so the list only shrinks.
+``KNOWN`` lists known offences still being removed (none now). A listed offence that no
+longer occurs fails too, so the list only shrinks.
 """
 
 from __future__ import annotations

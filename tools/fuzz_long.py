@@ -671,7 +671,7 @@ def main(argv=None) -> int:
     leak = leak_check(args.leak_check) if args.leak_check else "- leak check: not run"
 
     lines = [
-        "# Long fuzz run (benchmarks/fuzz_long.py)",
+        "# Long fuzz run (tools/fuzz_long.py)",
         "",
         f"Command: `python tools/fuzz_long.py --cases {args.cases} --seed {args.seed} "
         f"--bridge-every {args.bridge_every} --atheris-runs {args.atheris_runs} "
