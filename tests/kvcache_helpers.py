@@ -2,6 +2,7 @@
 ``tq_jax.dumps`` writes for one sequence, and ragged appends."""
 
 import numpy as np
+import pytest
 
 import tq_jax
 from tq_jax import kvcache
@@ -44,3 +45,14 @@ def fill(cache, rng, first, second, n_new=16, scale=1.0):
     ks = [np.concatenate([k[b, :first[b]], k[b, n_new : n_new + second[b]]]) for b in range(batch)]
     vs = [np.concatenate([v[b, :first[b]], v[b, n_new : n_new + second[b]]]) for b in range(batch)]
     return cache, ks, vs
+
+
+def with_impls(cases, impls):
+    """``cases`` x ``impls`` as pytest params: the XLA path on every case, the interpreted
+    Pallas kernels on the first case in the quick tier and on the rest as ``slow`` (the
+    interpreter costs seconds a case; the full suite runs them all)."""
+    return [
+        pytest.param(*case.values, impl, id=f"{case.id}-{impl}",
+                     marks=() if impl == "xla" or i == 0 else pytest.mark.slow)
+        for i, case in enumerate(cases) for impl in impls
+    ]

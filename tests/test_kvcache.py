@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import tq_jax
-from kvcache_helpers import D, H, dense_attention, dumps_kv, fill
+from kvcache_helpers import D, H, dense_attention, dumps_kv, fill, with_impls
 from tq_jax import kvcache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,8 +37,7 @@ CASES = [
 IMPLS = ["xla", "pallas", "pallas_gpu"]  # the Pallas kernels run in interpret mode on CPU
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("rotation,kb,vb,group,page_size,block,q_len", CASES)
+@pytest.mark.parametrize("rotation,kb,vb,group,page_size,block,q_len,impl", with_impls(CASES, IMPLS))
 def test_attend_matches_dense_attention_over_decoded_blob(rotation, kb, vb, group, page_size, block, q_len, impl):
     rng = np.random.default_rng(kb * 10 + vb)
     cache = kvcache.init(3, 48, H, D, key_bits=kb, value_bits=vb, rotation=rotation, seed=11, page_size=page_size, dtype=jnp.float32,

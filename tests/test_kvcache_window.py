@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import tq_jax
-from kvcache_helpers import D, H, dense_attention, dumps_kv, fill
+from kvcache_helpers import D, H, dense_attention, dumps_kv, fill, with_impls
 from tq_jax import kvcache
 
 
@@ -39,8 +39,7 @@ CASES = [
 IMPLS = ["xla", "pallas_tpu", "pallas_gpu"]  # the Pallas kernels run in interpret mode on CPU
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("rotation,kb,vb,group,page_size,window,sinks,q_len", CASES)
+@pytest.mark.parametrize("rotation,kb,vb,group,page_size,window,sinks,q_len,impl", with_impls(CASES, IMPLS))
 def test_attend_reads_window_and_sinks_exactly_and_the_rest_from_codes(
     rotation, kb, vb, group, page_size, window, sinks, q_len, impl
 ):
