@@ -385,17 +385,17 @@ def step_model(sizes: Sizes, table: list):
              ("tq K4V3 hadamard", "tq", dict(key_bits=4, value_bits=3, rotation="hadamard"), "pallas_gpu")]
     kinds = kinds[: sizes.model_kinds]
     bf16_ms = None
-    prefilled, plain = {}, jax.jit(make_step(cfg), donate_argnums=1)  # plain: kvcache.attend's default (xla)
+    prefilled, plain = {}, jax.jit(make_step(cfg), donate_argnums=1)  # plain: kvcache.attend's default impl
     for label, kind, ckw, impl in kinds:
         key = (kind, tuple(sorted(ckw.items())))
-        if key not in prefilled:  # prefill with the default (XLA) attend; not timed
+        if key not in prefilled:  # prefill with the default attend; not timed
             cache = init_cache(cfg, kind, b, cap, **ckw)
             for i in range(0, ctx, chunk):
                 _, cache = plain(params, cache, prompt[:, i : i + chunk])
             prefilled[key] = _ready(cache)
         cache = jax.tree.map(jnp.copy, prefilled[key])
         calls = []
-        routed = impl not in (None, "xla")
+        routed = impl is not None  # every named impl, "xla" too: the default is "auto" (the GPU kernel on a GPU)
         with attend_impl(impl, calls) if routed else contextlib.nullcontext():
             decode = jax.jit(make_step(cfg), donate_argnums=1) if routed else plain
             tok = prompt[:, -1:]
