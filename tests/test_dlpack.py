@@ -11,15 +11,8 @@ import jax.numpy as jnp  # noqa: E402
 
 from tq_jax.bridge import dlpack  # noqa: E402
 
-DTYPES = [
-    torch.bfloat16,
-    torch.float16,
-    torch.float32,
-    torch.uint8,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-]
+DTYPES = list(dlpack.SUPPORTED_DTYPES)  # every dtype the bridge says it carries
+assert torch.bfloat16 in DTYPES and torch.float16 in DTYPES and torch.float32 in DTYPES  # LMCache's KV dtypes
 
 
 def aligned(shape, dtype, offset_elems=0):
