@@ -1,9 +1,9 @@
 """Accelerator proof: correctness on the device, then the codec, the cache's
 decode attention and a SmolLM2-shaped model's decode speed, in one table.
 
-    python benchmarks/accelerator.py                   # whatever accelerator JAX sees; <= 8 min on one GPU
-    python benchmarks/accelerator.py --compile-check   # ~1 min: compile + run the GPU kernel once per config
-    python benchmarks/accelerator.py --cpu-smoke       # tiny sizes, interpreted Pallas, < 1 min (a CI test)
+    python -m benchmarks.accelerator                   # whatever accelerator JAX sees; <= 8 min on one GPU
+    python -m benchmarks.accelerator --compile-check   # ~1 min: compile + run the GPU kernel once per config
+    python -m benchmarks.accelerator --cpu-smoke       # tiny sizes, interpreted Pallas, < 1 min (a CI test)
 
 Options: ``--out DIR`` (default benchmarks/results/), ``--commit HASH`` (recorded in the
 result file; default ``git rev-parse HEAD`` when the tree is a git checkout),
@@ -522,7 +522,7 @@ def main(argv=None) -> int:
     lines = [
         f"# Accelerator proof on {dev.device_kind}",
         "",
-        f"Command: `python benchmarks/accelerator.py {' '.join(argv if argv is not None else sys.argv[1:])}`  ",
+        f"Command: `python -m benchmarks.accelerator {' '.join(argv if argv is not None else sys.argv[1:])}`  ",
         f"Commit: {commit_of(args.commit)}  ",
         f"jax {jax.__version__}, {dev.platform}, python {platform.python_version()}; "
         f"{time.perf_counter() - t_start:.0f} s in all. Times: median of {sizes.reps} calls after a warm-up call.",

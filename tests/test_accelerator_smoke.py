@@ -1,4 +1,4 @@
-"""benchmarks/accelerator.py runs end to end on CPU (tiny sizes, interpreted Pallas), so
+"""`python -m benchmarks.accelerator` runs end to end on CPU (tiny sizes, interpreted Pallas), so
 the prepared accelerator script cannot rot between the runs on a GPU."""
 
 import os
@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_cpu_smoke_runs_every_step_and_writes_one_table(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
-        [sys.executable, "benchmarks/accelerator.py", "--cpu-smoke", "--out", str(tmp_path), "--commit", "abc123"],
+        [sys.executable, "-m", "benchmarks.accelerator", "--cpu-smoke", "--out", str(tmp_path), "--commit", "abc123"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
