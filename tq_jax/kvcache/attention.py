@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
-from tq_jax import packing as _packing
 from tq_jax.kvcache import exact as _exact
 from tq_jax.kvcache import scoring as _scoring
 from tq_jax.kvcache import xla as _xla
@@ -28,10 +27,7 @@ def resolve_impl(cache: KVCache, impl: str) -> str:
     else the XLA loop; ``"pallas"`` is the backend's Pallas kernel."""
     backend = jax.default_backend()
     if impl == "auto":
-        cfg = cache.config
-        lanes = [cfg.head_dim // _packing.plane_count(b) for b in (cfg.key_bits, cfg.value_bits)]
-        tiles = all(w & (w - 1) == 0 for w in lanes)
-        return "pallas_gpu" if backend == "gpu" and tiles else "xla"
+        return "pallas_gpu" if backend == "gpu" and _scoring.lanes_tile(cache.config) else "xla"
     if impl == "pallas":
         return "pallas_gpu" if backend == "gpu" else "pallas_tpu"
     return impl

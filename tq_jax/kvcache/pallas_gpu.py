@@ -260,7 +260,7 @@ def partial(cache: KVCache, query: _scoring.Query, *, interpret: bool, tuning: T
     gk, gv = _packing.plane_count(cfg.key_bits), _packing.plane_count(cfg.value_bits)
     wk, wv = dim // gk, dim // gv
     pgk, pgv = gk * cfg.key_bits // 8, gv * cfg.value_bits // 8
-    if wk & (wk - 1) or wv & (wv - 1):
+    if not _scoring.lanes_tile(cfg):
         raise ValueError(
             f"impl='pallas_gpu' needs head_dim / plane_count to be a power of two for both widths (Triton "
             f"tiles), got head_dim={dim} at key_bits={cfg.key_bits}, value_bits={cfg.value_bits}: use impl='xla'."

@@ -21,7 +21,7 @@ from tq_jax.kvcache.state import KVCache
 if TYPE_CHECKING:  # annotations only; jaxtyping is not a runtime dependency
     from jaxtyping import Array, Int32
 
-__all__ = ["planes", "parts", "lookup", "centroid_norms", "Query", "query", "coded_end", "coded_mask", "finish"]
+__all__ = ["planes", "parts", "lanes_tile", "lookup", "centroid_norms", "Query", "query", "coded_end", "coded_mask", "finish"]
 
 
 def planes(codes, bits: int, dim: int, parts: int) -> list:
@@ -54,6 +54,14 @@ def parts(bits: int) -> int:
     the planar order, so the unpacked lanes are never concatenated into one index tensor
     (docs/kvcache.md has the measured effect)."""
     return min(_packing.plane_count(bits), 2)
+
+
+def lanes_tile(cfg) -> bool:
+    """Whether each lane of the planar order (``head_dim / plane_count(bits)`` indices)
+    is a power of two for both widths: what Triton's tiles need
+    (:mod:`tq_jax.kvcache.pallas_gpu`)."""
+    widths = [cfg.head_dim // _packing.plane_count(b) for b in (cfg.key_bits, cfg.value_bits)]
+    return all(w & (w - 1) == 0 for w in widths)
 
 
 def lookup(centroids, idx):

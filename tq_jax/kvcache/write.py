@@ -17,7 +17,7 @@ from tq_jax import wire as _wire
 from tq_jax.kvcache import scoring as _scoring
 from tq_jax.kvcache.state import KVCache
 
-__all__ = ["append", "write_rows", "concrete", "MAX_LEN_EXCEEDED", "POOL_EXHAUSTED", "NORM_OVERFLOW"]
+__all__ = ["append", "write_rows", "MAX_LEN_EXCEEDED", "POOL_EXHAUSTED", "NORM_OVERFLOW"]
 
 # --------------------------------------------------------------------------- messages
 
@@ -154,7 +154,7 @@ def _write_exact(cache: KVCache, k, v, start, end):
 _append_jit = jax.jit(_append_impl)
 
 
-def concrete(*xs) -> bool:
+def _concrete(*xs) -> bool:
     return not any(isinstance(x, jax.core.Tracer) for x in xs)
 
 
@@ -225,11 +225,11 @@ def append(cache: KVCache, k, v, new_lengths=None) -> KVCache:
                 f"{new_lengths.dtype} {tuple(new_lengths.shape)}: the count of valid tokens per sequence."
             )
         new_lengths = jnp.broadcast_to(new_lengths.astype(jnp.int32), (batch,))
-    eager = concrete(cache.lengths, new_lengths, cache.page_table, cache.next_page)
+    eager = _concrete(cache.lengths, new_lengths, cache.page_table, cache.next_page)
     if eager:
         _check_room(cache, np.asarray(new_lengths), n_new)
     new, overflowed = _append_jit(cache, k, v, new_lengths)
-    if concrete(overflowed) and int(overflowed):
+    if _concrete(overflowed) and int(overflowed):
         raise _wire.NormOverflowError(NORM_OVERFLOW.format(count=int(overflowed)))
     return new
 
