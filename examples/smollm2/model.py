@@ -80,6 +80,62 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
+def assemble(field, weight, names: set, *, source: str) -> tuple[dict, LlamaConfig]:
+    """Params and config from a GGUF's metadata and tensors, however they are read.
+
+    ``field(key, default)`` returns a metadata value, ``weight(name)`` a tensor as
+    float32 in the file's (torch) layout, ``names`` the tensor names present. Shared by
+    :func:`load_gguf` (the ``gguf`` reader) and :mod:`.offline` (a bundle read with
+    numpy alone), so both give the same params.
+
+    Raises:
+        ValueError: the model is not LLaMA-architecture.
+    """
+    arch = field("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{source} holds a {arch!r} model; only LLaMA-architecture models are read.")
+    heads, kv_heads = int(field("llama.attention.head_count")), int(field("llama.attention.head_count_kv"))
+    hidden = int(field("llama.embedding_length"))
+    embed = weight("token_embd.weight")  # [V, D]
+    cfg = LlamaConfig(
+        vocab_size=embed.shape[0],
+        hidden=hidden,
+        layers=int(field("llama.block_count")),
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=int(field("llama.rope.dimension_count", hidden // heads)),
+        ffn=int(field("llama.feed_forward_length")),
+        rope_theta=float(field("llama.rope.freq_base", 10000.0)),
+        rms_eps=float(field("llama.attention.layer_norm_rms_epsilon")),
+        context_length=int(field("llama.context_length")),
+        tied_embeddings="output.weight" not in names,
+    )
+    layer_names = {  # ours: (gguf name, rows to un-permute by this many heads or 0)
+        "attn_norm": ("attn_norm", 0),
+        "wq": ("attn_q", cfg.heads),
+        "wk": ("attn_k", cfg.kv_heads),
+        "wv": ("attn_v", 0),
+        "wo": ("attn_output", 0),
+        "mlp_norm": ("ffn_norm", 0),
+        "w_gate": ("ffn_gate", 0),
+        "w_up": ("ffn_up", 0),
+        "w_down": ("ffn_down", 0),
+    }
+    layers = {}
+    for ours, (theirs, n_head) in layer_names.items():
+        per_layer = []
+        for i in range(cfg.layers):
+            w = weight(f"blk.{i}.{theirs}.weight")  # torch layout [out, in] (1-D for norms)
+            if n_head:
+                w = _unpermute_rope(w, n_head)
+            per_layer.append(w.T if w.ndim == 2 else w)
+        layers[ours] = jnp.asarray(np.stack(per_layer))
+    params = {"embed": jnp.asarray(embed), "norm": jnp.asarray(weight("output_norm.weight")), "layers": layers}
+    if not cfg.tied_embeddings:
+        params["lm_head"] = jnp.asarray(weight("output.weight").T)
+    return params, cfg
+
+
 def load_gguf(path: str | Path, *, tokenizer: bool = True) -> tuple[dict, LlamaConfig, Any]:
     """Load a LLaMA-architecture GGUF as float32 JAX params.
 
@@ -112,54 +168,13 @@ def load_gguf(path: str | Path, *, tokenizer: bool = True) -> tuple[dict, LlamaC
         f = reader.fields.get(key)
         return default if f is None else f.contents()
 
-    arch = field("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path} holds a {arch!r} model; load_gguf reads LLaMA-architecture files only.")
-    heads, kv_heads = int(field("llama.attention.head_count")), int(field("llama.attention.head_count_kv"))
-    hidden = int(field("llama.embedding_length"))
     tensors = {t.name: t for t in reader.tensors}
 
     def weight(name):
         t = tensors[name]
         return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
 
-    embed = weight("token_embd.weight")  # [V, D]
-    cfg = LlamaConfig(
-        vocab_size=embed.shape[0],
-        hidden=hidden,
-        layers=int(field("llama.block_count")),
-        heads=heads,
-        kv_heads=kv_heads,
-        head_dim=int(field("llama.rope.dimension_count", hidden // heads)),
-        ffn=int(field("llama.feed_forward_length")),
-        rope_theta=float(field("llama.rope.freq_base", 10000.0)),
-        rms_eps=float(field("llama.attention.layer_norm_rms_epsilon")),
-        context_length=int(field("llama.context_length")),
-        tied_embeddings="output.weight" not in tensors,
-    )
-    names = {  # ours: (gguf name, rows to un-permute by this many heads or 0)
-        "attn_norm": ("attn_norm", 0),
-        "wq": ("attn_q", cfg.heads),
-        "wk": ("attn_k", cfg.kv_heads),
-        "wv": ("attn_v", 0),
-        "wo": ("attn_output", 0),
-        "mlp_norm": ("ffn_norm", 0),
-        "w_gate": ("ffn_gate", 0),
-        "w_up": ("ffn_up", 0),
-        "w_down": ("ffn_down", 0),
-    }
-    layers = {}
-    for ours, (theirs, n_head) in names.items():
-        per_layer = []
-        for i in range(cfg.layers):
-            w = weight(f"blk.{i}.{theirs}.weight")  # torch layout [out, in] (1-D for norms)
-            if n_head:
-                w = _unpermute_rope(w, n_head)
-            per_layer.append(w.T if w.ndim == 2 else w)
-        layers[ours] = jnp.asarray(np.stack(per_layer))
-    params = {"embed": jnp.asarray(embed), "norm": jnp.asarray(weight("output_norm.weight")), "layers": layers}
-    if not cfg.tied_embeddings:
-        params["lm_head"] = jnp.asarray(weight("output.weight").T)
+    params, cfg = assemble(field, weight, set(tensors), source=str(path))
     tok = None
     if tokenizer:
         from transformers import AutoTokenizer
