@@ -171,6 +171,25 @@ def test_default_window_and_memory_at_8k_and_32k_tokens():
     assert (short.window, short.sinks) == (3, 3)
 
 
+@pytest.mark.parametrize("kwargs,window", [
+    (dict(), 128),
+    (dict(options="turbo-3.5"), 128),  # K4V3
+    (dict(key_bits=3, value_bits=3), 128),
+    (dict(options="turbo-2.5"), 256),  # K3V2: 2-bit values get the longer window
+    (dict(key_bits=2, value_bits=4), 256),
+    (dict(key_bits=4, value_bits=1), 256),
+    (dict(options="turbo-2.5", window=64), 64),  # asked for: taken as given
+    (dict(options="turbo-2.5", window=0), 0),
+])
+def test_default_window_is_longer_for_two_bit_codes(kwargs, window):
+    """Measured in the loop (docs/serving-smollm2.md): 2-bit codes need 256 exact tokens
+    for what 128 give 3- and 4-bit codes; an explicit window is never changed."""
+    cfg = kvcache.init(1, 1024, 2, 64, **kwargs).config
+    assert cfg.window == window
+    assert kvcache.default_window(cfg.key_bits, cfg.value_bits) == (256 if min(cfg.key_bits, cfg.value_bits) <= 2 else 128)
+    assert kvcache.init(1, 100, 2, 64, **{k: v for k, v in kwargs.items() if k != "window"}).config.window == 100  # capped at max_len
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(window=65), r"`window` must be an int in 0..max_len=64"),
     (dict(window=-1), r"`window` must be an int in 0..max_len=64"),

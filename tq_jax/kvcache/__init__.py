@@ -18,9 +18,8 @@ values in the rotated domain and un-rotates once per query.
     cache = kvcache.load(cache, blob, seq=0)            # codes copied in, nothing re-quantized
 
 An exact window: each sequence's most recent ``window`` tokens (default
-:data:`DEFAULT_WINDOW`, 128) and its first ``sinks`` (default :data:`DEFAULT_SINKS`, 4)
-are also held in the
-model's dtype, and :func:`attend` reads those exactly, in one online softmax with the
+:func:`default_window`: 128, or 256 when keys or values have 2 bits or fewer) and its
+first ``sinks`` (default :data:`DEFAULT_SINKS`, 4) are also held in the model's dtype, and :func:`attend` reads those exactly, in one online softmax with the
 codes of the rest. Local attention leans hardest on the recent tokens; reading them
 from codes is what costs a model generating on the cache most of its quality
 (docs/serving-smollm2.md). Every token is still quantized once, when appended, so codes
@@ -52,8 +51,19 @@ every attention kernel shares) → :mod:`~tq_jax.kvcache.xla` and
 
 from tq_jax.kvcache.attention import attend
 from tq_jax.kvcache.blobs import export, load
-from tq_jax.kvcache.state import BLOCK_BYTES, BLOCK_TOKENS, DEFAULT_SINKS, DEFAULT_WINDOW, CacheConfig, KVCache, init, nbytes
+from tq_jax.kvcache.state import (
+    BLOCK_BYTES,
+    BLOCK_TOKENS,
+    DEFAULT_SINKS,
+    DEFAULT_WINDOW,
+    LOW_BITS_WINDOW,
+    CacheConfig,
+    KVCache,
+    default_window,
+    init,
+    nbytes,
+)
 from tq_jax.kvcache.write import append
 
 __all__ = ["CacheConfig", "KVCache", "init", "append", "attend", "export", "load", "nbytes", "BLOCK_TOKENS", "BLOCK_BYTES",
-           "DEFAULT_WINDOW", "DEFAULT_SINKS"]
+           "DEFAULT_WINDOW", "DEFAULT_SINKS", "LOW_BITS_WINDOW", "default_window"]

@@ -22,7 +22,8 @@ if TYPE_CHECKING:  # annotations only; jaxtyping is not a runtime dependency
     from jaxtyping import Array, Float, Int32, UInt8
 
 __all__ = ["CacheConfig", "KVCache", "init", "nbytes", "BLOCK_BYTES", "BLOCK_TOKENS", "MIN_BLOCK_TOKENS",
-           "DEFAULT_WINDOW", "DEFAULT_SINKS", "positive_int"]
+           "DEFAULT_WINDOW", "DEFAULT_SINKS", "LOW_BITS_WINDOW",
+           "default_window", "positive_int"]
 
 # attend's default block: the power of two of tokens whose dequantized keys (batch x kv_heads
 # x block x head_dim float32) fill about BLOCK_BYTES (a CPU core's L2), at most BLOCK_TOKENS
@@ -37,12 +38,24 @@ MIN_BLOCK_TOKENS = 16
 # cache's perplexity (docs/serving-smollm2.md). KIVI, SKVQ and transformers'
 # QuantizedCache keep 128 recent tokens exact too.
 DEFAULT_WINDOW = 128
+# Codes of 2 bits (turbo-2.5's values) need twice that: turbo-2.5 settings lose +3.5 % in
+# perplexity (KL 0.020) with 128 exact tokens and +1.2 % (KL 0.0071) with 256, the same
+# in-loop protocol (docs/serving-smollm2.md).
+LOW_BITS_WINDOW = 256
 # ... and its first 4 tokens (attention sinks: the tokens every head leans on most). With
 # the window of 128 they cut the in-loop KL of 4/4 codes from 0.0069 to 0.0047 nats and of
 # turbo-2.5 from 0.033 to 0.020 (docs/serving-smollm2.md).
 DEFAULT_SINKS = 4
 WINDOW_WHY = ("the most recent tokens of each sequence that attend reads exactly; 0 reads every token from "
               "its codes, and a window holds at most max_len tokens.")
+
+
+def default_window(key_bits: int, value_bits: int) -> int:
+    """The window :func:`init` gives when none is asked for: :data:`DEFAULT_WINDOW`, or
+    :data:`LOW_BITS_WINDOW` when keys or values are coded with 2 bits or fewer."""
+    return LOW_BITS_WINDOW if min(int(key_bits), int(value_bits)) <= 2 else DEFAULT_WINDOW
+
+
 SINKS_WHY = "the first tokens of each sequence that attend reads exactly; at most max_len."
 
 
@@ -249,7 +262,9 @@ def init(
             of ``options``.
         window: the most recent tokens of each sequence held exactly as well (in
             ``dtype``), which :func:`attend` reads instead of their codes; default
-            :data:`DEFAULT_WINDOW` (at most ``max_len``); 0 reads every token from codes.
+            :func:`default_window`: :data:`DEFAULT_WINDOW` (128), or
+            :data:`LOW_BITS_WINDOW` (256) when keys or values have 2 bits or fewer (as in
+            ``"turbo-2.5"``), at most ``max_len``; 0 reads every token from codes.
         sinks: the first tokens of each sequence held exactly as well (attention
             sinks); default :data:`DEFAULT_SINKS` (at most ``max_len``); 0..max_len.
         page_size: tokens per page (a power of two) for a paged cache; None: one
@@ -300,7 +315,7 @@ def init(
             f"{_wire.dense_dim(head_dim, opts.rotation)}, above the MAX_DENSE_DIM={_wire.MAX_DENSE_DIM} TQ01 "
             f"readers accept; use rotation='hadamard'."
         )
-    window = min(DEFAULT_WINDOW, max_len) if window is None else _count(window, "window", max_len, WINDOW_WHY)
+    window = min(default_window(opts.key_bits, opts.value_bits), max_len) if window is None else _count(window, "window", max_len, WINDOW_WHY)
     sinks = min(DEFAULT_SINKS, max_len) if sinks is None else _count(sinks, "sinks", max_len, SINKS_WHY)
     try:
         dtype_name = jnp.dtype(dtype).name
