@@ -66,6 +66,9 @@ def test_splits_row_tiles_and_both_lookups_agree_with_the_xla_path():
         np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
+# Slow: seconds a case in the interpreter. The quick tier runs this kernel's partial state
+# through attend, merged with an exact window and sinks (test_kvcache_window's pallas_gpu case).
+@pytest.mark.slow
 @pytest.mark.parametrize("page_size", [None, 8])
 def test_partial_returns_the_online_softmax_state_of_the_coded_tokens_only(page_size):
     rng = np.random.default_rng(9)
