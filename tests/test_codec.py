@@ -79,8 +79,9 @@ def test_quantizer_counts_boundaries_strictly_below(bits):
         assert np.asarray(kernels.quantize(jnp.float32(np.nan), jnp.asarray(b), t.grid)) == 0
 
 
-# Quick tier: (64, 4); unaligned rows such as (12, 3) run the natural pipeline itself.
-@pytest.mark.parametrize("rotation", ["haar", "hadamard"])
+# Quick tier: (64, 4) Haar. Unaligned rows such as (12, 3) run the natural pipeline itself;
+# Hadamard rows are the group kernels (quick in the two group tests below).
+@pytest.mark.parametrize("rotation", sweep(["haar", "hadamard"]))
 @pytest.mark.parametrize("dim,bits", sweep([(64, 4), (12, 3), (96, 3), (128, 2), (80, 6), (64, 1)]))
 def test_row_kernels_equal_the_natural_order_pipeline(dim, bits, rotation):
     # The planar kernels (indices never in natural order) against encode_indices +

@@ -38,9 +38,10 @@ CASES = [
 IMPLS = ["xla", "pallas", "pallas_gpu"]  # the Pallas kernels run in interpret mode on CPU
 
 
-# Quick tier: every impl on the first case, XLA on the Hadamard paged one (Haar paged with
-# GQA 4 and a query block runs quick in test_kvcache_window); the other cases are slow.
-@pytest.mark.parametrize("rotation,kb,vb,group,page_size,block,q_len,impl", with_impls(CASES, IMPLS, quick=(0, 3)))
+# Quick tier: every impl on the first case; the others are slow (attend against dense
+# attention runs quick paged with GQA 4 and a query block in test_kvcache_window, with the
+# Hadamard rotation in the turbo-3.5 tests below and in test_kvcache_window).
+@pytest.mark.parametrize("rotation,kb,vb,group,page_size,block,q_len,impl", with_impls(CASES, IMPLS, quick=(0,)))
 def test_attend_matches_dense_attention_over_decoded_blob(rotation, kb, vb, group, page_size, block, q_len, impl):
     rng = np.random.default_rng(kb * 10 + vb)
     cache = kvcache.init(3, 48, H, D, key_bits=kb, value_bits=vb, rotation=rotation, seed=11, page_size=page_size, dtype=jnp.float32,
@@ -124,7 +125,7 @@ def test_memory_at_4_bits_is_at_most_0_27_of_bf16():
 
 
 # Quick tier: XLA. Retracing depends on the cache's pytree, which is the same for every
-# impl; the Pallas kernels under jit run quick in test_kvcache_gpu_kernel and test_kvcache_window.
+# impl; the Pallas kernels run under jit in every quick attend (kvcache.attend is jitted).
 @pytest.mark.parametrize("impl", sweep(IMPLS))
 def test_jit_donated_append_and_attend_do_not_recompile_as_lengths_grow(impl):
     traces = {"append": 0, "attend": 0}

@@ -41,7 +41,8 @@ IMPLS = ["xla", "pallas_tpu", "pallas_gpu"]  # the Pallas kernels run in interpr
 
 
 # Quick tier: every impl on the first case (paged, window and sinks, GQA 4, a query block),
-# XLA on the second (the Hadamard rotation attends quick in test_kvcache); the rest are slow.
+# XLA on the second (the Hadamard rotation attends quick in the turbo-3.5 tests); the rest
+# are slow.
 @pytest.mark.parametrize("rotation,kb,vb,group,page_size,window,sinks,q_len,impl", with_impls(CASES, IMPLS, quick=(0, 1)))
 def test_attend_reads_window_and_sinks_exactly_and_the_rest_from_codes(
     rotation, kb, vb, group, page_size, window, sinks, q_len, impl
