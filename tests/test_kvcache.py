@@ -38,10 +38,12 @@ CASES = [
 IMPLS = ["xla", "pallas", "pallas_gpu"]  # the Pallas kernels run in interpret mode on CPU
 
 
-# Quick tier: every impl on the first case; the others are slow (attend against dense
-# attention runs quick paged with GQA 4 and a query block in test_kvcache_window, with the
-# Hadamard rotation in the turbo-3.5 tests below and in test_kvcache_window).
-@pytest.mark.parametrize("rotation,kb,vb,group,page_size,block,q_len,impl", with_impls(CASES, IMPLS, quick=(0,)))
+# Quick tier: XLA on the first case and the Hadamard paged one (whose programs
+# test_jit_donated_... compiles anyway). Slow: the other cases (paged with GQA 4 and a query
+# block runs quick in test_kvcache_window) and the Pallas impls (each against dense
+# attention quick in test_default_bfloat16_cache_... and test_kvcache_window).
+@pytest.mark.parametrize("rotation,kb,vb,group,page_size,block,q_len,impl",
+                         with_impls(CASES, IMPLS, quick=(0, 3), pallas_quick=False))
 def test_attend_matches_dense_attention_over_decoded_blob(rotation, kb, vb, group, page_size, block, q_len, impl):
     rng = np.random.default_rng(kb * 10 + vb)
     cache = kvcache.init(3, 48, H, D, key_bits=kb, value_bits=vb, rotation=rotation, seed=11, page_size=page_size, dtype=jnp.float32,
