@@ -47,12 +47,17 @@ def fill(cache, rng, first, second, n_new=16, scale=1.0):
     return cache, ks, vs
 
 
-def with_impls(cases, impls):
-    """``cases`` x ``impls`` as pytest params: the XLA path on every case, the interpreted
-    Pallas kernels on the first case in the quick tier and on the rest as ``slow`` (the
+def with_impls(cases, impls, quick=None, pallas_quick=True):
+    """``cases`` x ``impls`` as pytest params: in the quick tier, the XLA path on the cases
+    whose indices are in ``quick`` (all when None) and, with ``pallas_quick``, every impl
+    on the first case; the rest are ``slow`` (a case compiles its own programs, the Pallas
     interpreter costs seconds a case; the full suite runs them all)."""
+    def is_quick(i, impl):
+        if impl == "xla":
+            return quick is None or i in quick
+        return pallas_quick and i == 0
+
     return [
-        pytest.param(*case.values, impl, id=f"{case.id}-{impl}",
-                     marks=() if impl == "xla" or i == 0 else pytest.mark.slow)
+        pytest.param(*case.values, impl, id=f"{case.id}-{impl}", marks=() if is_quick(i, impl) else pytest.mark.slow)
         for i, case in enumerate(cases) for impl in impls
     ]

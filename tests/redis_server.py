@@ -3,9 +3,11 @@
 ``redis_server`` (a pytest fixture, function scope) starts Debian's ``redis-server`` on a
 free port of 127.0.0.1 with persistence off (``--save '' --appendonly no``) in a fresh
 temp dir and yields a :class:`RedisServer`; at the end it stops the server and asserts
-that neither the process nor the temp dir is left. A test that needs the server is
-skipped, with the reason, when the binary is absent, unless ``CI`` is set: then the
-missing server fails it (``.ci/run`` installs it), as for the other test dependencies.
+that neither the process nor the temp dir is left; ``module_redis_server`` is the same,
+one server for a test module (for tests that never stop, restart or fill it). A test
+that needs the server is skipped, with the reason, when the binary is absent, unless
+``CI`` is set: then the missing server fails it (``.ci/run`` installs it), as for the
+other test dependencies.
 """
 
 from __future__ import annotations
@@ -112,6 +114,12 @@ def _server(maxmemory=None):
 @pytest.fixture
 def redis_server():
     """A fresh, empty ``redis-server`` on a free loopback port (see the module docstring)."""
+    yield from _server()
+
+
+@pytest.fixture(scope="module")
+def module_redis_server():
+    """As :func:`redis_server`, one server for the whole test module."""
     yield from _server()
 
 

@@ -22,7 +22,6 @@ from tq_jax.bridge.serde import KEY_TRAILER_BYTES  # noqa: E402
 
 from bridge_util import Events, build_manager, key, mean_cosine, store_evict_prefetch  # noqa: E402
 
-from conftest import sweep
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),  # google-* deps of lmcache
@@ -44,7 +43,11 @@ def chunks():
     return [torch.randn(W1, generator=g).to(torch.bfloat16) for _ in range(N_CHUNKS)]
 
 
-@pytest.mark.parametrize("bits", sweep([4, 2, 3, 8]))
+# Slow: W1-sized round trips cost seconds each (and LMCache's StorageManager ~1 s to close).
+# The quick tier keeps test_bridge_registry's plugin round trip (fs, 4 bits, TQ01 v1, exact
+# sizes) and test_faults' fs round trips (v1 and v2 with a checksum).
+@pytest.mark.slow
+@pytest.mark.parametrize("bits", [4, 2, 3, 8])
 def test_fs_round_trip_w1(tmp_path, chunks, bits):
     register()
     events = Events()
@@ -81,6 +84,7 @@ def test_fs_round_trip_w1(tmp_path, chunks, bits):
         assert mean_cosine(x, y, 128) >= COSINE_FLOOR[bits]
 
 
+@pytest.mark.slow  # see above; the raw edge layers through the serde run only here
 def test_fs_round_trip_w1_v2_options(tmp_path, chunks):
     """TQ01 v2 through the real StorageManager: K 4 / V 3 bits, 2 + 2 raw layers, fast
     rotation, float32 norms, norm correction and a checksum; sizes stay exact."""
@@ -111,7 +115,10 @@ def test_fs_round_trip_w1_v2_options(tmp_path, chunks):
         assert mean_cosine(x[1], y[1], 128) >= 0.983
 
 
-@pytest.mark.parametrize("preset", sweep(["turbo-3.5", "turbo-2.5"]))
+# Slow as the two above. The quick tier stores TQ01 v2 with its key trailer through a real
+# StorageManager in test_faults (fs, checksum) and test_redis_store (turbo-3.5).
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["turbo-3.5", "turbo-2.5"])
 def test_fs_round_trip_w1_turbo_presets(tmp_path, chunks, preset):
     """The turbo-* presets (mixed key/value bits) through the real StorageManager: exact
     sizes from the layout (log-coded norms included), the bytes tq_jax writes offline,

@@ -379,6 +379,7 @@ def test_usage_errors_exit_2(capsys):
     capsys.readouterr()
 
 
+@pytest.mark.slow  # a fresh process; test_usage_errors_exit_2 and test_error_exits run main() in this one
 def test_console_entry_point_error_has_no_traceback(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "tq_jax", "inspect", str(tmp_path / "nope.safetensors")],
@@ -388,6 +389,7 @@ def test_console_entry_point_error_has_no_traceback(tmp_path):
     assert r.stderr.strip() == f"tq-jax: error: {tmp_path / 'nope.safetensors'}: no such file"
 
 
+@pytest.mark.slow  # a fresh process; test_import checks that `import tq_jax` loads no torch
 def test_cli_modules_import_no_optional_dependency():
     code = (
         "import sys, tq_jax.cli, tq_jax.batch, tq_jax.bench, tq_jax.distributed, tq_jax.safetensors_io\n"

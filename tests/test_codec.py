@@ -22,14 +22,16 @@ def w1():
     return np.random.default_rng(0).standard_normal(W1, np.float32).astype(jnp.bfloat16)
 
 
-@pytest.mark.parametrize("bits,floor", [(4, 0.9950), (3, 0.9826), (2, 0.9400)])
+# Quick tier: 4 bits; test_numerics.test_every_bit_width checks every width against theory.
+@pytest.mark.parametrize("bits,floor", sweep([(4, 0.9950), (3, 0.9826), (2, 0.9400)]))
 def test_quality_on_gaussian_w1(w1, bits, floor):
     out = tq_jax.loads(tq_jax.dumps(w1, bits=bits))
     assert out.dtype == jnp.bfloat16 and out.shape == W1
     assert cosine(out, w1).mean() >= floor
 
 
-@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5])
+# Quick tier: 1 and 4 bits to 2 %; test_numerics.test_every_bit_width checks every width to 10 %.
+@pytest.mark.parametrize("bits", sweep([1, 4, 2, 3, 5], fast=2))
 def test_unit_vector_mse_matches_lloyd_max_theory(bits):
     d, n = 128, 16384
     x = np.random.default_rng(bits).standard_normal((n, d)).astype(np.float32)
@@ -53,7 +55,8 @@ def test_indices_are_nearest_centroid(bits):
     assert (np.asarray(idx) == want).mean() >= 0.999
 
 
-@pytest.mark.parametrize("bits", range(1, 9))
+# Quick tier: the ends of both quantizers (binary search up to 4 bits, grid from 5).
+@pytest.mark.parametrize("bits", sweep([1, 4, 5, 8, 2, 3, 6, 7], fast=4))
 def test_quantizer_counts_boundaries_strictly_below(bits):
     # Independent expectation: numpy's searchsorted (side="left" counts b < y), on
     # random values, every boundary itself, its float32 neighbours (bar subnormals), ±0, ±inf
@@ -76,8 +79,10 @@ def test_quantizer_counts_boundaries_strictly_below(bits):
         assert np.asarray(kernels.quantize(jnp.float32(np.nan), jnp.asarray(b), t.grid)) == 0
 
 
-@pytest.mark.parametrize("rotation", ["haar", "hadamard"])
-@pytest.mark.parametrize("dim,bits", sweep([(64, 4), (12, 3), (96, 3), (128, 2), (80, 6), (64, 1)], fast=2))
+# Quick tier: (64, 4) Haar. Unaligned rows such as (12, 3) run the natural pipeline itself;
+# Hadamard rows are the group kernels (quick in the two group tests below).
+@pytest.mark.parametrize("rotation", sweep(["haar", "hadamard"]))
+@pytest.mark.parametrize("dim,bits", sweep([(64, 4), (12, 3), (96, 3), (128, 2), (80, 6), (64, 1)]))
 def test_row_kernels_equal_the_natural_order_pipeline(dim, bits, rotation):
     # The planar kernels (indices never in natural order) against encode_indices +
     # pack / unpack + decode_indices; (12, 3) has unaligned rows (the natural path).
@@ -110,7 +115,7 @@ def test_group_kernel_equals_the_natural_order_pipeline(dim, bits):
 
 
 @pytest.mark.parametrize("nc", [False, True])
-@pytest.mark.parametrize("dim,bits", sweep([(128, 4), (80, 3), (16, 4), (48, 1), (112, 5), (96, 6), (128, 7), (128, 8)], fast=2))
+@pytest.mark.parametrize("dim,bits", sweep([(128, 4), (80, 3), (16, 4), (48, 1), (112, 5), (96, 6), (128, 7), (128, 8)]))
 def test_group_decode_is_decode_rows_bit_for_bit(dim, bits, nc):
     # The group decoder (16-groups, norm correction through a per-vector codebook)
     # against decode_rows (whole rows, the rotation's own matrices): the same sums in
@@ -183,7 +188,9 @@ def test_norm_overflow_is_an_error_with_the_facts():
         tq_jax.dump_into(x, bytearray(tq_jax.serialized_size(x.shape, "float32", 4)), bits=4)
 
 
-@pytest.mark.parametrize("rotation", ["haar", "hadamard"])
+# Quick tier: Haar. Hadamard under jit and vmap runs quick in test_jit_orders, its matrix
+# against numpy in test_v2's structured-rotation test.
+@pytest.mark.parametrize("rotation", sweep(["haar", "hadamard"]))
 def test_jit_parity_and_user_jit_vmap(rotation):
     cfg = tq_jax.CodecConfig(64, 3, seed=9, rotation=rotation)
     x = jnp.asarray(np.random.default_rng(4).standard_normal((3, 5, 64)), jnp.float32)
@@ -291,7 +298,7 @@ def test_hadamard_norm_correction_decodes_the_same_bits_in_any_block(dim, bits):
         np.testing.assert_array_equal(np.asarray(tq_jax.loads(b, block_vectors=block)), whole)
 
 
-@pytest.mark.parametrize("block", [8, 24, 64, 1000])
+@pytest.mark.parametrize("block", sweep([8, 1000, 24, 64], fast=2))  # quick tier: many blocks and one
 @pytest.mark.parametrize("dim,bits", sweep([(64, 3), (13, 3), (7, 6), (5, 2)], fast=2))
 def test_blocking_does_not_change_bytes(block, dim, bits):
     # dim*bits not a multiple of 8 (13*3, 7*6, 5*2) exercises the flat stream across blocks.

@@ -35,6 +35,7 @@ def test_import_tq_jax_is_light_and_every_public_name_resolves():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+@pytest.mark.slow  # two fresh pytest processes
 def test_ci_refuses_to_run_with_a_test_dependency_missing(tmp_path):
     """Under CI a missing test dependency stops the run instead of skipping its tests."""
     (tmp_path / "test_x.py").write_text("def test_x():\n    pass\n")
@@ -70,6 +71,7 @@ def test_norm_overflow_error_is_one_class_defined_by_the_format():
     assert wire.NormOverflowError.__module__ == "tq_jax.wire"
 
 
+@pytest.mark.slow  # a fresh process; the quick tier keeps the two import checks above
 def test_submodules_are_attributes_loaded_on_first_use():
     """`tq_jax.kvcache.init` works after a bare `import tq_jax`, which still loads no jax."""
     code = (

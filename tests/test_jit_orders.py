@@ -117,7 +117,8 @@ def test_lower_first(cfg):
     _assert_same(lowered.compile()(x), want)
 
 
-@pytest.mark.parametrize("cfg", CONFIGS[:2], ids=IDS[:2])  # hadamard runs both its encoder paths under vmap
+# Quick tier: Hadamard, which runs both its encoder paths under vmap; Haar is slow.
+@pytest.mark.parametrize("cfg", sweep(CONFIGS[1::-1]), ids=IDS[1::-1])
 def test_vmap_then_eager(cfg):
     x = _x((3, 4), cfg.dim, 5)
     want = _expected(x, cfg)

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import tq_jax
+from conftest import sweep
 from kvcache_helpers import D, H, dense_attention, dumps_kv, fill, with_impls
 from tq_jax import kvcache
 
@@ -37,7 +38,12 @@ CASES = [
 IMPLS = ["xla", "pallas", "pallas_gpu"]  # the Pallas kernels run in interpret mode on CPU
 
 
-@pytest.mark.parametrize("rotation,kb,vb,group,page_size,block,q_len,impl", with_impls(CASES, IMPLS))
+# Quick tier: XLA on the first case and the Hadamard paged one (whose programs
+# test_jit_donated_... compiles anyway). Slow: the other cases (paged with GQA 4 and a query
+# block runs quick in test_kvcache_window) and the Pallas impls (each against dense
+# attention quick in test_default_bfloat16_cache_... and test_kvcache_window).
+@pytest.mark.parametrize("rotation,kb,vb,group,page_size,block,q_len,impl",
+                         with_impls(CASES, IMPLS, quick=(0, 3), pallas_quick=False))
 def test_attend_matches_dense_attention_over_decoded_blob(rotation, kb, vb, group, page_size, block, q_len, impl):
     rng = np.random.default_rng(kb * 10 + vb)
     cache = kvcache.init(3, 48, H, D, key_bits=kb, value_bits=vb, rotation=rotation, seed=11, page_size=page_size, dtype=jnp.float32,
@@ -120,7 +126,9 @@ def test_memory_at_4_bits_is_at_most_0_27_of_bf16():
         assert measured / bf16 >= (64 + 2) / 256  # the codes and norms themselves
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+# Quick tier: XLA. Retracing depends on the cache's pytree, which is the same for every
+# impl; the Pallas kernels run under jit in every quick attend (kvcache.attend is jitted).
+@pytest.mark.parametrize("impl", sweep(IMPLS))
 def test_jit_donated_append_and_attend_do_not_recompile_as_lengths_grow(impl):
     traces = {"append": 0, "attend": 0}
 
@@ -182,6 +190,7 @@ def test_vmap_over_stacked_layer_caches_matches_each_layer():
         np.testing.assert_allclose(out[i], np.asarray(kvcache.attend(one, q[i])), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow  # a fresh process with 4 forced host devices (seconds a case)
 @pytest.mark.parametrize("window,sinks", [(0, 0), (8, 2)])
 def test_shard_map_over_heads_on_four_devices_matches_one_device(window, sinks):
     code = """
@@ -394,7 +403,7 @@ def test_default_block_fills_about_block_bytes_of_float32_keys():
         assert 2 * block * per_token > kvcache.BLOCK_BYTES or block == kvcache.BLOCK_TOKENS
 
 
-@pytest.mark.parametrize("preset", ["turbo-3.5", "turbo-2.5"])
+@pytest.mark.parametrize("preset", sweep(["turbo-3.5", "turbo-2.5"]))
 def test_load_of_a_turbo_blob_attends_as_its_decoded_values(preset):
     """Log-coded norms are decoded and norm correction folded into the float16 norm:
     the cache then attends over what tq_jax.loads decodes, to float16 rounding."""

@@ -55,6 +55,9 @@ def test_attend_matrix_matches_dense_attention_over_decoded_blob(rotation, kb, v
         assert np.abs(out[b] - ref).max() <= 1e-3 * np.abs(ref).max()
 
 
+# Slow: seconds in the interpreter. The kernel at its default tuning runs quick through
+# kvcache.attend (test_kvcache, test_kvcache_window); these tunings and row tiles run here.
+@pytest.mark.slow
 def test_splits_row_tiles_and_both_lookups_agree_with_the_xla_path():
     rng = np.random.default_rng(5)
     cache = kvcache.init(3, 48, H, D, key_bits=4, value_bits=3, rotation="hadamard", seed=11, page_size=8, dtype=jnp.float32, block_tokens=16, window=0, sinks=0)
@@ -66,6 +69,9 @@ def test_splits_row_tiles_and_both_lookups_agree_with_the_xla_path():
         np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
+# Slow: seconds a case in the interpreter. The quick tier runs this kernel's partial state
+# through attend, merged with an exact window and sinks (test_kvcache_window's pallas_gpu case).
+@pytest.mark.slow
 @pytest.mark.parametrize("page_size", [None, 8])
 def test_partial_returns_the_online_softmax_state_of_the_coded_tokens_only(page_size):
     rng = np.random.default_rng(9)

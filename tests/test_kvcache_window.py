@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import tq_jax
+from conftest import sweep
 from kvcache_helpers import D, H, dense_attention, dumps_kv, fill, with_impls
 from tq_jax import kvcache
 
@@ -31,15 +32,18 @@ def reference(ks, vs, cfg, q, exact_from=0):
 
 # (rotation, key_bits, value_bits, q_heads // kv_heads, page_size, window, sinks, q_len)
 CASES = [
-    pytest.param("haar", 4, 4, 1, None, 8, 0, 1, id="haar-4/4-gqa1-unpaged-w8-q1"),
     pytest.param("haar", 2, 3, 4, 8, 5, 2, 3, id="haar-2/3-gqa4-paged8-w5-s2-q3"),
+    pytest.param("haar", 4, 4, 1, None, 8, 0, 1, id="haar-4/4-gqa1-unpaged-w8-q1"),
     pytest.param("hadamard", 4, 2, 3, None, 16, 4, 1, id="hadamard-4/2-gqa3-unpaged-w16-s4-q1"),
     pytest.param("hadamard", 3, 3, 1, 16, 0, 3, 2, id="hadamard-3/3-gqa1-paged16-sinks-only-q2"),
 ]
 IMPLS = ["xla", "pallas_tpu", "pallas_gpu"]  # the Pallas kernels run in interpret mode on CPU
 
 
-@pytest.mark.parametrize("rotation,kb,vb,group,page_size,window,sinks,q_len,impl", with_impls(CASES, IMPLS))
+# Quick tier: every impl on the first case (paged, window and sinks, GQA 4, a query block);
+# the rest are slow (unpaged with a window and sinks: test_load_brings_codes_only_...; the
+# Hadamard rotation: the turbo-3.5 tests).
+@pytest.mark.parametrize("rotation,kb,vb,group,page_size,window,sinks,q_len,impl", with_impls(CASES, IMPLS, quick=(0,)))
 def test_attend_reads_window_and_sinks_exactly_and_the_rest_from_codes(
     rotation, kb, vb, group, page_size, window, sinks, q_len, impl
 ):
@@ -65,7 +69,8 @@ def test_window_covering_every_token_is_dense_attention_over_the_tokens():
         np.testing.assert_allclose(out[b], dense_attention(q[b], ks[b], vs[b]), rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("window,sinks", [(0, 0), (8, 2), (48, 0)])
+# Quick tier: a window with sinks; no window (test_kvcache's exports) and all-window are slow.
+@pytest.mark.parametrize("window,sinks", sweep([(8, 2), (0, 0), (48, 0)]))
 def test_export_bytes_equal_dumps_whatever_the_window(window, sinks):
     """Tokens are quantized once, when appended: the window never changes a code."""
     rng = np.random.default_rng(4)
@@ -82,7 +87,7 @@ def test_export_bytes_equal_dumps_whatever_the_window(window, sinks):
         assert after[b] == dumps_kv(ks[b], vs[b], cache.config)
 
 
-@pytest.mark.parametrize("page_size", [None, 8])
+@pytest.mark.parametrize("page_size", sweep([8, None]))  # quick tier: the paged cache
 def test_decode_loop_compiles_once_over_300_steps_across_ring_wraps(page_size, compiles):
     rng = np.random.default_rng(5)
     cache = kvcache.init(2, 320, H, D, seed=3, window=16, sinks=2, page_size=page_size, dtype=jnp.float32,
@@ -123,7 +128,7 @@ def test_load_brings_codes_only_then_appends_are_exact():
     np.testing.assert_allclose(out, reference(k, v, cache.config, q[0], exact_from=20), rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("preset", ["turbo-3.5", "turbo-2.5"])
+@pytest.mark.parametrize("preset", sweep(["turbo-3.5", "turbo-2.5"]))
 def test_presets_by_name_read_what_a_norm_corrected_blob_decodes_to(preset):
     rng = np.random.default_rng(7)
     cache = kvcache.init(2, 32, H, D, options=preset, dtype=jnp.float32, window=0, sinks=0, block_tokens=16)
