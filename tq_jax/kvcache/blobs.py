@@ -174,7 +174,8 @@ def _cache_norms(norms: np.ndarray, codes: np.ndarray, config: _codec.CodecConfi
         c = np.asarray(_scoring.centroid_norms(codes, config))
         with np.errstate(divide="ignore", invalid="ignore"):
             n = np.where(c > 0, n / c, n)  # an all-zero centroid vector decodes as 0 either way
-    n16 = n.astype(np.float16)
+    with np.errstate(over="ignore"):  # an overflow is reported below, with the facts
+        n16 = n.astype(np.float16)
     over = np.isfinite(n) & np.isinf(n16)
     if over.any():
         raise _wire.NormOverflowError(
