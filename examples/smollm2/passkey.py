@@ -154,13 +154,20 @@ def run_cell(params, runner: Runner, prompts: Prompts, specs: list[CacheSpec], *
         else:
             cache = runner.load(cache, *kv)
         assert isinstance(cache, DenseCache) or cache.lengths.shape[-1] == k
-        tok = None
-        for q in prompts.question:
-            tok, cache = runner.decode(params, cache, jnp.full((k, 1), q, jnp.int32))
-        answer = [tok]
-        for _ in range(ANSWER_TOKENS - 1):
-            tok, cache = runner.decode(params, cache, tok)
-            answer.append(tok)
-        out[spec.label] = np.concatenate([np.asarray(a) for a in answer], axis=1)
-        del cache
+        out[spec.label] = answer(params, runner, cache, prompts.question)
     return out
+
+
+def answer(params, runner: Runner, cache, question) -> np.ndarray:
+    """Feed ``question`` (token ids, the same for every sequence) one token per step
+    through ``cache`` (donated), then greedy-decode; the answers' token ids ``[B,
+    ANSWER_TOKENS]``."""
+    b = int(cache.lengths.shape[-1])
+    tok = None
+    for q in question:
+        tok, cache = runner.decode(params, cache, jnp.full((b, 1), q, jnp.int32))
+    out = [tok]
+    for _ in range(ANSWER_TOKENS - 1):
+        tok, cache = runner.decode(params, cache, tok)
+        out.append(tok)
+    return np.concatenate([np.asarray(a) for a in out], axis=1)

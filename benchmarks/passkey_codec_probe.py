@@ -1,0 +1,200 @@
+"""Which part of a KV codec loses a passkey cell: keys or values, and does centring help?
+
+A probe, not the benchmark (that is ``python -m examples.smollm2 passkey``): one
+(context, depth) cell of SmolLM2-135M's passkey task, with the codec applied to the
+context's K/V *outside* the cache, so codec variants that ``kvcache`` does not offer can
+be tried in minutes on a CPU:
+
+1. the context (everything before the question) is prefilled once, exactly, through the
+   bf16 cache (as the benchmark does);
+2. for each variant, every context token outside the first ``--sinks`` and the last
+   ``--window`` has its K and/or V replaced by ``decode(encode(x))`` of the variant's
+   codec (norms rounded to float16, as the cache stores them); that K/V is loaded into a
+   bf16 cache, and the question and the answer go one token per step through it.
+
+Reading decoded vectors from a bf16 cache is what ``kvcache.attend`` computes over its
+codes up to bf16 rounding of the decoded vectors (and the window's block-granular
+edge), so the ``K..V..`` rows reproduce the cache's cells closely; the other rows change
+one thing at a time:
+
+* ``keys only`` / ``values only``: the other side stays exact;
+* ``centred``: each layer and KV head codes ``x - mu``, ``mu`` the mean of the first
+  ``--centre-tokens`` context tokens' vectors, and adds ``mu`` back after decoding.
+  Attention is invariant to it when exact (``q.(k - mu)`` shifts every logit of a query
+  by the same ``q.mu``; the softmax weights sum to 1, so ``sum p (v - mu) + mu`` is
+  ``sum p v``): only the quantization error changes, by coding a shorter vector.
+
+    python -m benchmarks.passkey_codec_probe --context 2048 --depth 50 --keys 10   # from the repository root
+
+Prints one markdown table: % of keys answered exactly, and the relative RMS error of
+the decoded keys and values over the coded tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import tq_jax
+from examples.smollm2 import model
+from examples.smollm2.caches import dense_kv, init_cache
+from examples.smollm2.passkey import ANSWER_TOKENS, Runner, answer, answer_matches, build_prompts, random_keys
+
+
+def noise(x, *, eps: float, seed: int):
+    """``x`` plus isotropic Gaussian noise of relative RMS ``eps`` per vector (``eps *
+    |x| * g / sqrt(d)``): any lossy cache whose error is ``eps`` and has no direction."""
+    g = jax.random.normal(jax.random.key(seed), x.shape, jnp.float32)
+    n = jnp.linalg.norm(x.astype(jnp.float32), axis=-1, keepdims=True)
+    return x + np.float32(eps) * n * g / np.float32(np.sqrt(x.shape[-1]))
+
+
+def codec(x, *, bits: int, rotation: str, seed: int, norm_correction: bool, mu=None):
+    """``decode(encode(x))`` along the last axis, norms rounded to float16; ``mu``
+    (broadcast against ``x``) is subtracted before and added back after."""
+    x = x.astype(jnp.float32)
+    if mu is not None:
+        x = x - mu
+    cfg = tq_jax.CodecConfig(x.shape[-1], bits, seed, rotation, norm_correction)
+    enc = tq_jax.encode(x, cfg)
+    enc = enc._replace(norms=enc.norms.astype(jnp.float16).astype(jnp.float32))
+    y = tq_jax.decode(enc, cfg)
+    return y if mu is None else y + mu
+
+
+def variant_kv(k, v, *, key_bits, value_bits, rotation, seed, norm_correction, sinks, window, centre_tokens, layers=None):
+    """Context K/V ``[L, B, T, H, D]`` with the coded span replaced by its decoded
+    vectors (``None`` bits: that side exact; a float in (0, 1) instead of bits: Gaussian
+    noise of that relative RMS, see :func:`noise`; ``layers``: a slice of the layers
+    coded, the rest exact)."""
+    t = k.shape[2]
+    lo, hi = sinks, max(sinks, t - window)
+    out = []
+    for side, (x, bits) in enumerate(((k, key_bits), (v, value_bits))):
+        x = x.astype(jnp.float32)
+        if bits is None or hi <= lo:
+            out.append(x)
+            continue
+        mu = jnp.mean(x[:, :, :centre_tokens], axis=2, keepdims=True) if centre_tokens else None
+        if isinstance(bits, float):
+            y = noise(x[:, :, lo:hi], eps=bits, seed=seed + 1_000_003 * side)
+        else:
+            y = codec(x[:, :, lo:hi], bits=bits, rotation=rotation, seed=seed, norm_correction=norm_correction, mu=mu)
+        y = x.at[:, :, lo:hi].set(y)
+        if layers is not None:
+            y = x.at[layers].set(y[layers])
+        out.append(y)
+    return out
+
+
+def parse_variant(name: str) -> dict:
+    """A codec named ``K<bits>V<bits> <rotation>[ nc]`` (``K5V3 hadamard nc``; ``-`` for
+    bits leaves that side exact), or noise named ``noise K<eps> V<eps>`` (``noise K0.01
+    V0.01``: relative RMS error of each side; ``-`` exact)."""
+    m = re.fullmatch(r"noise K([0-9.]+|-) V([0-9.]+|-)", name)
+    if m:
+        eps = [None if e == "-" else float(e) for e in m.group(1, 2)]
+        return dict(key_bits=eps[0], value_bits=eps[1], rotation="none", seed=42, norm_correction=False, centre_tokens=0)
+    m = re.fullmatch(r"K([1-8-])V([1-8-]) (haar|hadamard)( nc)?", name)
+    if not m:
+        raise SystemExit(f"unknown variant {name!r}: a built-in name, K<bits>V<bits> haar|hadamard[ nc] or noise K<eps> V<eps>")
+    bits = [None if b == "-" else int(b) for b in m.group(1, 2)]
+    return dict(key_bits=bits[0], value_bits=bits[1], rotation=m.group(3), seed=42,
+                norm_correction=bool(m.group(4)), centre_tokens=0)
+
+
+def rel_rms(x, y, lo, hi):
+    a, b = np.asarray(x[:, :, lo:hi], np.float64), np.asarray(y[:, :, lo:hi], np.float64)
+    return float(np.sqrt(np.sum((a - b) ** 2) / np.sum(a**2)))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--depth", type=float, default=50, help="percent")
+    ap.add_argument("--keys", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0, help="key draw")
+    ap.add_argument("--format", default="chat")
+    ap.add_argument("--sinks", type=int, default=4)
+    ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--centre-tokens", type=int, default=256)
+    ap.add_argument("--variants", default="all", help="comma list of variant names, or all")
+    ap.add_argument("--seeds", default="", help="comma list of rotation seeds: each chosen variant (other "
+                    "than bf16) runs once per seed instead of at seed 42")
+    ap.add_argument("--key-layers", default="", help="also: K3 keys only on each of these layer ranges "
+                    "(space-separated start:stop), the other layers exact")
+    args = ap.parse_args(argv)
+
+    t0 = time.perf_counter()
+    params, cfg, tok = model.load_smollm2()
+    keys = random_keys(np.random.default_rng(args.seed), args.keys)
+    prompts = build_prompts(tok, args.context, args.depth / 100, keys, args.format)
+    runner = Runner(cfg)
+    n, t = prompts.context.shape
+    capacity = t + len(prompts.question) + ANSWER_TOKENS
+    ref = init_cache(cfg, "bf16", n, capacity)
+    _, ref = runner.prefill(params, ref, jnp.asarray(prompts.context))
+    k, v = dense_kv(ref, 0, t)
+    del ref
+    print(f"prefill {n} x {t} tokens: {time.perf_counter() - t0:.0f} s", flush=True)
+
+    hd = dict(rotation="hadamard", seed=42, norm_correction=True)
+    haar = dict(rotation="haar", seed=42, norm_correction=False)
+    c = args.centre_tokens
+    variants = {
+        "bf16": None,
+        "K3V2 (turbo-2.5)": dict(key_bits=3, value_bits=2, centre_tokens=0, **hd),
+        "K3 keys only": dict(key_bits=3, value_bits=None, centre_tokens=0, **hd),
+        "V2 values only": dict(key_bits=None, value_bits=2, centre_tokens=0, **hd),
+        "K3V2 centred": dict(key_bits=3, value_bits=2, centre_tokens=c, **hd),
+        "K4V3 (turbo-3.5)": dict(key_bits=4, value_bits=3, centre_tokens=0, **hd),
+        "K4V3 centred": dict(key_bits=4, value_bits=3, centre_tokens=c, **hd),
+        "K4V2": dict(key_bits=4, value_bits=2, centre_tokens=0, **hd),
+        "4/4 Haar": dict(key_bits=4, value_bits=4, centre_tokens=0, **haar),
+        "4/4 Haar keys only": dict(key_bits=4, value_bits=None, centre_tokens=0, **haar),
+        "4/4 Haar values only": dict(key_bits=None, value_bits=4, centre_tokens=0, **haar),
+        "4/4 Hadamard": dict(key_bits=4, value_bits=4, centre_tokens=0, rotation="hadamard", seed=42, norm_correction=False),
+        "4/4 Haar centred": dict(key_bits=4, value_bits=4, centre_tokens=c, **haar),
+    }
+    if args.variants != "all":
+        want = [w.strip() for w in args.variants.split(",") if w.strip()]
+        variants = {name: variants[name] if name in variants else parse_variant(name) for name in want}
+    if args.seeds:
+        variants = {
+            (f"{name}, seed {sd}" if spec else name): (dict(spec, seed=sd) if spec else spec)
+            for name, spec in variants.items()
+            for sd in ([int(x) for x in args.seeds.split(",")] if spec else [None])
+        }
+    for r in args.key_layers.split():
+        a, b = (int(x) for x in r.split(":"))
+        variants[f"K3 keys only, layers {a}..{b - 1}"] = dict(key_bits=3, value_bits=None, centre_tokens=0, layers=slice(a, b), **hd)
+    lo, hi = args.sinks, max(args.sinks, t - args.window)
+    rows = []
+    for name, spec in variants.items():
+        t1 = time.perf_counter()
+        if spec is None:
+            kk, vv = k, v
+        else:
+            kk, vv = variant_kv(k, v, sinks=args.sinks, window=args.window, **spec)
+        cache = runner.load(init_cache(cfg, "bf16", n, capacity), kk, vv)
+        ids = answer(params, runner, cache, prompts.question)
+        texts = [tok.decode(list(r)) for r in ids]
+        acc = 100 * np.mean([answer_matches(s, key) for s, key in zip(texts, keys)])
+        ek, ev = rel_rms(k, kk, lo, hi), rel_rms(v, vv, lo, hi)
+        rows.append((name, acc, ek, ev, texts[0]))
+        print(f"{name}: {acc:.0f}% (K err {ek:.3f}, V err {ev:.3f}) {texts[0]!r} [{time.perf_counter() - t1:.0f} s]", flush=True)
+    print(f"\ncontext {args.context}, depth {args.depth:g}%, {n} keys, sinks {args.sinks}, window {args.window}, "
+          f"centring over the first {c} tokens\n")
+    print("| codec on the coded span | % correct | K rel. RMS error | V rel. RMS error |")
+    print("|---|---:|---:|---:|")
+    for name, acc, ek, ev, _ in rows:
+        print(f"| {name} | {acc:.0f} | {ek:.3f} | {ev:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""benchmarks/passkey_codec_probe.py: the K/V it feeds the model are the cache's codes, decoded.
+
+The probe replaces the coded span of a context's K/V with ``decode(encode(x))`` outside
+the cache; its table is only worth reading if that is what a TQ01 blob of those vectors
+decodes to, with the sinks, the window and the untouched side left bit for bit.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tq_jax
+from benchmarks.passkey_codec_probe import parse_variant, variant_kv
+
+L, B, T, H, D = 3, 2, 40, 2, 64
+SINKS, WINDOW = 4, 8
+
+
+@pytest.fixture(scope="module")
+def kv():
+    rng = np.random.default_rng(0)
+    k = (rng.standard_normal((L, B, T, H, D)) + 2.0).astype(np.float32)  # a common offset, as real keys have
+    v = rng.standard_normal((L, B, T, H, D)).astype(np.float32)
+    return jnp.asarray(k), jnp.asarray(v)
+
+
+def _wire(x, bits):
+    """The coded span as a v1 TQ01 blob decodes it (float16 norms, Haar seed 42)."""
+    x = np.asarray(x, np.float32)
+    flat = x.reshape(1, -1, H, D)  # [layers, tokens, heads, dim]: every vector coded alone
+    blob = tq_jax.dumps(np.stack([flat, flat]), bits=bits, seed=42, norm_dtype="float16")
+    return np.asarray(tq_jax.loads(blob, dtype=jnp.float32))[0].reshape(x.shape)
+
+
+def test_the_coded_span_is_what_a_blob_decodes_to_and_the_rest_is_untouched(kv):
+    k, v = kv
+    kk, vv = variant_kv(k, v, key_bits=4, value_bits=None, rotation="haar", seed=42, norm_correction=False,
+                        sinks=SINKS, window=WINDOW, centre_tokens=0)
+    kk, vv = np.asarray(kk), np.asarray(vv)
+    np.testing.assert_array_equal(vv, np.asarray(v))  # values exact
+    np.testing.assert_array_equal(kk[:, :, :SINKS], np.asarray(k)[:, :, :SINKS])
+    np.testing.assert_array_equal(kk[:, :, T - WINDOW:], np.asarray(k)[:, :, T - WINDOW:])
+    np.testing.assert_allclose(kk[:, :, SINKS:T - WINDOW], _wire(k[:, :, SINKS:T - WINDOW], 4), rtol=0, atol=1e-5)
+
+
+def test_layers_outside_the_slice_stay_exact(kv):
+    k, v = kv
+    kk, vv = variant_kv(k, v, key_bits=3, value_bits=2, rotation="hadamard", seed=42, norm_correction=True,
+                        sinks=SINKS, window=WINDOW, centre_tokens=0, layers=slice(1, 2))
+    kk, vv = np.asarray(kk), np.asarray(vv)
+    for i in (0, 2):
+        np.testing.assert_array_equal(kk[i], np.asarray(k)[i])
+        np.testing.assert_array_equal(vv[i], np.asarray(v)[i])
+    assert not np.array_equal(kk[1], np.asarray(k)[1]) and not np.array_equal(vv[1], np.asarray(v)[1])
+
+
+def test_centring_codes_a_shorter_vector(kv):
+    """Keys with a common offset: coding ``k - mu`` (mu from the first tokens) and adding
+    ``mu`` back errs less than coding ``k``, the same codec otherwise."""
+    k, v = kv
+    args = dict(key_bits=3, value_bits=None, rotation="haar", seed=42, norm_correction=False, sinks=SINKS, window=WINDOW)
+    plain = np.asarray(variant_kv(k, v, centre_tokens=0, **args)[0])
+    centred = np.asarray(variant_kv(k, v, centre_tokens=16, **args)[0])
+    err = lambda y: np.linalg.norm(y[:, :, SINKS:T - WINDOW] - np.asarray(k)[:, :, SINKS:T - WINDOW])  # noqa: E731
+    assert err(centred) < 0.7 * err(plain), (err(centred), err(plain))
+
+
+def test_variant_names():
+    assert parse_variant("K5V3 hadamard nc") == dict(key_bits=5, value_bits=3, rotation="hadamard", seed=42,
+                                                     norm_correction=True, centre_tokens=0)
+    assert parse_variant("K-V2 haar")["key_bits"] is None
+    with pytest.raises(SystemExit, match="K<bits>V<bits>"):
+        parse_variant("K9V3 haar")
+
+
+def test_noise_has_the_relative_rms_it_names(kv):
+    k, v = kv
+    kk, vv = variant_kv(k, v, **parse_variant("noise K0.05 V-"), sinks=SINKS, window=WINDOW)
+    np.testing.assert_array_equal(np.asarray(vv), np.asarray(v))
+    span = slice(SINKS, T - WINDOW)
+    a, b = np.asarray(k, np.float64)[:, :, span], np.asarray(kk, np.float64)[:, :, span]
+    rel = np.sqrt(np.sum((a - b) ** 2) / np.sum(a**2))
+    assert abs(rel - 0.05) < 0.05 * 0.05, rel  # ~18k coordinates: within 5 % of the target
