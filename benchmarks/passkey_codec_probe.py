@@ -67,7 +67,34 @@ def codec(x, *, bits: int, rotation: str, seed: int, norm_correction: bool, mu=N
     return y if mu is None else y + mu
 
 
-def variant_kv(k, v, *, key_bits, value_bits, rotation, seed, norm_correction, sinks, window, centre_tokens, layers=None):
+SEED_BLOCK = 64  # tokens per rotation with seeds="block"
+
+
+def _coded(x, *, bits, rotation, seed, norm_correction, mu, seeds: str, lo: int):
+    """:func:`codec` of ``x [L, B, T, H, D]`` (tokens ``lo..``), one rotation for all
+    (``seeds="shared"``, what a cache does), one per layer (``"layer"``: seed + layer), or
+    one per layer and block of :data:`SEED_BLOCK` positions (``"block"``)."""
+    kw = dict(bits=bits, rotation=rotation, norm_correction=norm_correction)
+    if seeds == "shared":
+        return codec(x, seed=seed, mu=mu, **kw)
+    out = []
+    for i in range(x.shape[0]):
+        mi = None if mu is None else mu[i]
+        if seeds == "layer":
+            out.append(codec(x[i], seed=seed + 7919 * i, mu=mi, **kw))
+            continue
+        parts, t = [], 0
+        while t < x.shape[2]:
+            blk = (lo + t) // SEED_BLOCK
+            n = min(x.shape[2] - t, (blk + 1) * SEED_BLOCK - (lo + t))
+            parts.append(codec(x[i, :, t:t + n], seed=seed + 7919 * i + 104729 * blk, mu=mi, **kw))
+            t += n
+        out.append(jnp.concatenate(parts, axis=1))
+    return jnp.stack(out)
+
+
+def variant_kv(k, v, *, key_bits, value_bits, rotation, seed, norm_correction, sinks, window, centre_tokens, layers=None,
+               seeds: str = "shared"):
     """Context K/V ``[L, B, T, H, D]`` with the coded span replaced by its decoded
     vectors (``None`` bits: that side exact; a float in (0, 1) instead of bits: Gaussian
     noise of that relative RMS, see :func:`noise`; ``layers``: a slice of the layers
@@ -84,7 +111,8 @@ def variant_kv(k, v, *, key_bits, value_bits, rotation, seed, norm_correction, s
         if isinstance(bits, float):
             y = noise(x[:, :, lo:hi], eps=bits, seed=seed + 1_000_003 * side)
         else:
-            y = codec(x[:, :, lo:hi], bits=bits, rotation=rotation, seed=seed, norm_correction=norm_correction, mu=mu)
+            y = _coded(x[:, :, lo:hi], bits=bits, rotation=rotation, seed=seed, norm_correction=norm_correction, mu=mu,
+                       seeds=seeds, lo=lo)
         y = x.at[:, :, lo:hi].set(y)
         if layers is not None:
             y = x.at[layers].set(y[layers])
@@ -93,19 +121,22 @@ def variant_kv(k, v, *, key_bits, value_bits, rotation, seed, norm_correction, s
 
 
 def parse_variant(name: str) -> dict:
-    """A codec named ``K<bits>V<bits> <rotation>[ nc]`` (``K5V3 hadamard nc``; ``-`` for
-    bits leaves that side exact), or noise named ``noise K<eps> V<eps>`` (``noise K0.01
+    """A codec named ``K<bits>V<bits> <rotation>[ nc][ per-layer| per-block]`` (``K5V3
+    hadamard nc``; ``-`` for bits leaves that side exact; the suffix: a rotation seed per
+    layer, or per layer and 64-token block, see :func:`_coded`), or noise named ``noise K<eps> V<eps>`` (``noise K0.01
     V0.01``: relative RMS error of each side; ``-`` exact)."""
     m = re.fullmatch(r"noise K([0-9.]+|-) V([0-9.]+|-)", name)
     if m:
         eps = [None if e == "-" else float(e) for e in m.group(1, 2)]
         return dict(key_bits=eps[0], value_bits=eps[1], rotation="none", seed=42, norm_correction=False, centre_tokens=0)
-    m = re.fullmatch(r"K([1-8-])V([1-8-]) (haar|hadamard)( nc)?", name)
+    m = re.fullmatch(r"K([1-8-])V([1-8-]) (haar|hadamard)( nc)?( per-layer| per-block)?", name)
     if not m:
-        raise SystemExit(f"unknown variant {name!r}: a built-in name, K<bits>V<bits> haar|hadamard[ nc] or noise K<eps> V<eps>")
+        raise SystemExit(f"unknown variant {name!r}: a built-in name, K<bits>V<bits> haar|hadamard[ nc][ per-layer| per-block] "
+                         "or noise K<eps> V<eps>")
     bits = [None if b == "-" else int(b) for b in m.group(1, 2)]
+    seeds = {None: "shared", " per-layer": "layer", " per-block": "block"}[m.group(5)]
     return dict(key_bits=bits[0], value_bits=bits[1], rotation=m.group(3), seed=42,
-                norm_correction=bool(m.group(4)), centre_tokens=0)
+                norm_correction=bool(m.group(4)), centre_tokens=0, seeds=seeds)
 
 
 def rel_rms(x, y, lo, hi):

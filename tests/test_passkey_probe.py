@@ -67,7 +67,7 @@ def test_centring_codes_a_shorter_vector(kv):
 
 def test_variant_names():
     assert parse_variant("K5V3 hadamard nc") == dict(key_bits=5, value_bits=3, rotation="hadamard", seed=42,
-                                                     norm_correction=True, centre_tokens=0)
+                                                     norm_correction=True, centre_tokens=0, seeds="shared")
     assert parse_variant("K-V2 haar")["key_bits"] is None
     with pytest.raises(SystemExit, match="K<bits>V<bits>"):
         parse_variant("K9V3 haar")
@@ -81,3 +81,18 @@ def test_noise_has_the_relative_rms_it_names(kv):
     a, b = np.asarray(k, np.float64)[:, :, span], np.asarray(kk, np.float64)[:, :, span]
     rel = np.sqrt(np.sum((a - b) ** 2) / np.sum(a**2))
     assert abs(rel - 0.05) < 0.05 * 0.05, rel  # ~18k coordinates: within 5 % of the target
+
+
+def test_per_block_seeds_code_each_block_with_its_own_rotation(kv):
+    """seeds="block": the tokens at positions 64..127 of layer 1 get the rotation of seed
+    42 + 7919 * 1 + 104729 * 1, and the tokens before them that of block 0."""
+    rng = np.random.default_rng(5)
+    k = jnp.asarray(rng.standard_normal((2, 1, 150, H, D)).astype(np.float32))
+    kk, _ = variant_kv(k, k, **dict(parse_variant("K4V- haar per-block"), seed=42), sinks=SINKS, window=10)
+    kk = np.asarray(kk)
+    np.testing.assert_array_equal(kk[:, :, :SINKS], np.asarray(k)[:, :, :SINKS])
+    for block, span in ((0, slice(SINKS, 64)), (1, slice(64, 128)), (2, slice(128, 140))):
+        cfg = tq_jax.CodecConfig(D, 4, 42 + 7919 + 104729 * block, "haar")
+        enc = tq_jax.encode(k[1, :, span], cfg)
+        want = tq_jax.decode(enc._replace(norms=enc.norms.astype(jnp.float16).astype(jnp.float32)), cfg)
+        np.testing.assert_allclose(kk[1, :, span], np.asarray(want), rtol=0, atol=1e-6)
