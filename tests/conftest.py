@@ -80,6 +80,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The warnings LMCache's imports raise, ignored by every test module that imports it:
+# ``pytestmark = LMCACHE_WARNINGS``.
+LMCACHE_WARNINGS = [
+    pytest.mark.filterwarnings("ignore::FutureWarning"),  # google-* deps of lmcache
+    pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning"),  # opentelemetry
+]
+
+
 def sweep(cases, fast: int = 1):
     """Parameter sets for ``pytest.mark.parametrize``: the first ``fast`` run in the
     quick subset (``-m "not slow"``), the rest are marked slow. Each case is one value,

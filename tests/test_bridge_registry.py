@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import importlib
 import json
 import logging
 import os
@@ -27,13 +26,10 @@ import tq_jax.bridge  # noqa: E402
 from tq_jax.bridge import register  # noqa: E402
 
 from bridge_util import Events, build_manager, key, mean_cosine, store_evict_prefetch  # noqa: E402
-from conftest import free_port  # noqa: E402
+from conftest import LMCACHE_WARNINGS, free_port  # noqa: E402
 
 from tq_jax.bridge import registry as reg_mod  # noqa: E402
-pytestmark = [
-    pytest.mark.filterwarnings("ignore::FutureWarning"),  # google-* deps of lmcache
-    pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning"),  # opentelemetry
-]
+pytestmark = LMCACHE_WARNINGS
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 

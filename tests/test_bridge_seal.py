@@ -24,10 +24,9 @@ from tq_jax.bridge import serde as S  # noqa: E402
 
 from bridge_util import byte_obj, layout, make_obj  # noqa: E402
 
-pytestmark = [
-    pytest.mark.filterwarnings("ignore::FutureWarning"),
-    pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning"),
-]
+from conftest import LMCACHE_WARNINGS  # noqa: E402
+
+pytestmark = LMCACHE_WARNINGS
 
 SHAPE = (2, 4, 8, 256)
 STORED = (2, 4, 8, 2, 128)

@@ -22,12 +22,9 @@ from tq_jax.bridge import serde as S  # noqa: E402
 
 from bridge_util import byte_obj, key, layout, make_obj, mean_cosine, wait  # noqa: E402
 
-from conftest import sweep
+from conftest import LMCACHE_WARNINGS, sweep
 
-pytestmark = [
-    pytest.mark.filterwarnings("ignore::FutureWarning"),  # google-* deps of lmcache
-    pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning"),  # opentelemetry
-]
+pytestmark = LMCACHE_WARNINGS
 BF16 = torch.bfloat16
 
 

@@ -24,10 +24,9 @@ from lmcache.v1.distributed.serde import factory as lmc_factory  # noqa: E402
 import tq_jax  # noqa: E402
 from tq_jax.bridge import smoke  # noqa: E402
 
-pytestmark = [
-    pytest.mark.filterwarnings("ignore::FutureWarning"),  # google-* deps of lmcache
-    pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning"),  # opentelemetry
-]
+from conftest import LMCACHE_WARNINGS  # noqa: E402
+
+pytestmark = LMCACHE_WARNINGS
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SMALL = ["--layers", "2", "--tokens", "64", "--kv-heads", "2"]  # [2, 2, 64, 256] bf16
 STORED = (2, 2, 64, 2, 128)

@@ -23,10 +23,9 @@ from tq_jax.bridge.serde import KEY_TRAILER_BYTES  # noqa: E402
 from bridge_util import Events, build_manager, key, mean_cosine, store_evict_prefetch  # noqa: E402
 
 
-pytestmark = [
-    pytest.mark.filterwarnings("ignore::FutureWarning"),  # google-* deps of lmcache
-    pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning"),  # opentelemetry
-]
+from conftest import LMCACHE_WARNINGS  # noqa: E402
+
+pytestmark = LMCACHE_WARNINGS
 
 W1 = (2, 32, 256, 1024)
 STORED = (2, 32, 256, 8, 128)

@@ -20,10 +20,9 @@ import pytest
 import tq_jax
 from tq_jax import codec
 
-pytestmark = [
-    pytest.mark.filterwarnings("ignore::FutureWarning"),  # google-* deps of lmcache
-    pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning"),  # opentelemetry
-]
+from conftest import LMCACHE_WARNINGS  # noqa: E402
+
+pytestmark = LMCACHE_WARNINGS
 
 # (head_dim, heads, layers): unique head_dims so the caches start cold for these tests.
 SERDE_HEAD_DIM, SERDE_HEADS, SERDE_LAYERS = 24, 2, 2

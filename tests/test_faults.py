@@ -11,7 +11,6 @@ in docs/hardening.md); with ``checksum: true`` (TQ01 v2) every one of them is a 
 
 from __future__ import annotations
 
-import struct
 import time
 
 import numpy as np
@@ -20,10 +19,9 @@ import pytest
 import tq_jax
 from tq_jax import wire
 
-pytestmark = [
-    pytest.mark.filterwarnings("ignore::FutureWarning"),  # google-* deps of lmcache
-    pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning"),  # opentelemetry
-]
+from conftest import LMCACHE_WARNINGS  # noqa: E402
+
+pytestmark = LMCACHE_WARNINGS
 
 HEAD_DIM, HEADS = 16, 2
 SHAPE = (2, 2, 16, HEADS * HEAD_DIM)  # [K/V, layers, tokens, H*D]

@@ -31,10 +31,9 @@ from tq_jax.bridge.serde import KEY_TRAILER_BYTES, describe_key  # noqa: E402
 from bridge_util import Events, build_manager  # noqa: E402
 from redis_server import module_redis_server, redis_server, small_redis_server  # noqa: E402, F401 (fixtures)
 
-pytestmark = [
-    pytest.mark.filterwarnings("ignore::FutureWarning"),
-    pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning"),
-]
+from conftest import LMCACHE_WARNINGS  # noqa: E402
+
+pytestmark = LMCACHE_WARNINGS
 
 SHAPE = torch.Size((2, 4, 16, 512))  # 128 KiB of bf16 per chunk, head_dim 128
 LAYOUT = MemoryLayoutDesc(shapes=[SHAPE], dtypes=[torch.bfloat16])

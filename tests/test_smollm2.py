@@ -29,6 +29,9 @@ def test_parse_spec_forms():
     spec = caches.parse_spec("tq:turbo-3.5,window=64,sinks=4,rotation=hadamard")
     assert spec.settings == {"options": "turbo-3.5", "window": 64, "sinks": 4, "rotation": "hadamard"}
     assert spec.label == "tq:turbo-3.5,window=64,sinks=4,rotation=hadamard"
+    assert caches.parse_spec("tq:K6V4,norm_correction=true,seed=1").settings == {
+        "key_bits": 6, "value_bits": 4, "norm_correction": True, "seed": 1}
+    assert caches.parse_spec("tq,norm_correction=False").settings == {"norm_correction": False}
 
 
 @pytest.mark.parametrize("bad", ["fp8", "bf16:4/4", "tq:4/", "tq:4/4,window", "tq:4/4,1x=2"])

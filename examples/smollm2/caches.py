@@ -23,8 +23,8 @@ axis), scanned over with ``lax.scan``:
 A cache *spec* is the benchmark's name for one cache (:func:`parse_spec`):
 ``bf16``, ``tq`` (``kvcache.init``'s defaults), ``tq:4/4`` (key/value bits),
 ``tq:turbo-3.5`` (a preset name, passed as ``options=``), each optionally followed by
-``,window=R,sinks=S,rotation=hadamard,seed=7`` (any ``kvcache.init`` keyword with an
-int or string value).
+``,window=R,sinks=S,rotation=hadamard,seed=7,norm_correction=true`` (any
+``kvcache.init`` keyword with an int, true/false or string value).
 """
 
 from __future__ import annotations
@@ -292,11 +292,13 @@ class CacheSpec:
 
 _BITS = re.compile(r"^(?:(\d)/(\d)|[Kk](\d)[Vv](\d))$")
 _INT = re.compile(r"^-?\d+$")
+_BOOLS = {"true": True, "false": False}
 
 SPEC_HELP = (
     "a cache spec is bf16, tq (kvcache.init's defaults), tq:K/V bits (tq:4/4, tq:K4V3) or "
     "tq:PRESET (tq:turbo-3.5, passed as options=), optionally followed by ,name=value for any "
-    "kvcache.init keyword (tq:4/4,window=64,sinks=4,rotation=hadamard)"
+    "kvcache.init keyword: int, true/false or a string (tq:4/4,window=64,sinks=4,rotation=hadamard, "
+    "tq:K6V4,rotation=hadamard,norm_correction=true)"
 )
 
 
@@ -328,5 +330,5 @@ def parse_spec(text: str) -> CacheSpec:
         name, eq, value = extra.partition("=")
         if not eq or not name.isidentifier():
             raise ValueError(f"cache spec {text!r}: {extra!r} is not name=value ({SPEC_HELP}).")
-        kwargs[name] = int(value) if _INT.match(value) else value
+        kwargs[name] = int(value) if _INT.match(value) else _BOOLS.get(value.lower(), value)
     return CacheSpec(text.strip(), "tq", tuple(kwargs.items()))
