@@ -35,16 +35,7 @@ import numpy as np
 if TYPE_CHECKING:  # annotations only; jaxtyping is not a runtime dependency
     from jaxtyping import Array, UInt8, UInt32
 
-__all__ = [
-    "pack",
-    "unpack",
-    "pack_planes",
-    "unpack_groups",
-    "plane_count",
-    "plane_order",
-    "packed_nbytes",
-    "BITS_RANGE",
-]
+__all__ = ["pack", "unpack", "pack_planes", "unpack_groups", "plane_count", "plane_order", "packed_nbytes", "BITS_RANGE"]
 
 BITS_RANGE = range(1, 9)
 _GROUP = 8  # indices per group; a group packs into exactly `bits` bytes
