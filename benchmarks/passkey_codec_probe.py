@@ -72,8 +72,9 @@ SEED_BLOCK = 64  # tokens per rotation with seeds="block"
 
 def _coded(x, *, bits, rotation, seed, norm_correction, mu, seeds: str, lo: int):
     """:func:`codec` of ``x [L, B, T, H, D]`` (tokens ``lo..``), one rotation for all
-    (``seeds="shared"``, what a cache does), one per layer (``"layer"``: seed + layer), or
-    one per layer and block of :data:`SEED_BLOCK` positions (``"block"``)."""
+    (``seeds="shared"``, what a cache does), one per layer (``"layer"``: seed + 7919 *
+    layer), or one per layer and block of :data:`SEED_BLOCK` positions (``"block"``:
+    also + 104729 * block)."""
     kw = dict(bits=bits, rotation=rotation, norm_correction=norm_correction)
     if seeds == "shared":
         return codec(x, seed=seed, mu=mu, **kw)
@@ -120,23 +121,43 @@ def variant_kv(k, v, *, key_bits, value_bits, rotation, seed, norm_correction, s
     return out
 
 
-def parse_variant(name: str) -> dict:
-    """A codec named ``K<bits>V<bits> <rotation>[ nc][ per-layer| per-block]`` (``K5V3
-    hadamard nc``; ``-`` for bits leaves that side exact; the suffix: a rotation seed per
-    layer, or per layer and 64-token block, see :func:`_coded`), or noise named ``noise K<eps> V<eps>`` (``noise K0.01
-    V0.01``: relative RMS error of each side; ``-`` exact)."""
+# The probe's named variants, each a codec in :func:`parse_variant`'s grammar.
+ALIASES = {
+    "K3V2 (turbo-2.5)": "K3V2 hadamard nc",
+    "K3 keys only": "K3V- hadamard nc",
+    "V2 values only": "K-V2 hadamard nc",
+    "K3V2 centred": "K3V2 hadamard nc centred",
+    "K4V3 (turbo-3.5)": "K4V3 hadamard nc",
+    "K4V3 centred": "K4V3 hadamard nc centred",
+    "K4V2": "K4V2 hadamard nc",
+    "4/4 Haar": "K4V4 haar",
+    "4/4 Haar keys only": "K4V- haar",
+    "4/4 Haar values only": "K-V4 haar",
+    "4/4 Hadamard": "K4V4 hadamard",
+    "4/4 Haar centred": "K4V4 haar centred",
+}
+
+
+def parse_variant(name: str, centre_tokens: int = 256) -> dict:
+    """:func:`variant_kv`'s settings for a variant: a name in :data:`ALIASES`, a codec
+    named ``K<bits>V<bits> <rotation>[ nc][ centred][ per-layer| per-block]`` (``K5V3
+    hadamard nc``; ``-`` for bits leaves that side exact; ``centred``: over the first
+    ``centre_tokens``; the last suffix: a rotation seed per layer, or per layer and
+    64-token block, see :func:`_coded`), or noise named ``noise K<eps> V<eps>`` (``noise
+    K0.01 V0.01``: relative RMS error of each side; ``-`` exact)."""
+    name = ALIASES.get(name, name)
     m = re.fullmatch(r"noise K([0-9.]+|-) V([0-9.]+|-)", name)
     if m:
         eps = [None if e == "-" else float(e) for e in m.group(1, 2)]
         return dict(key_bits=eps[0], value_bits=eps[1], rotation="none", seed=42, norm_correction=False, centre_tokens=0)
-    m = re.fullmatch(r"K([1-8-])V([1-8-]) (haar|hadamard)( nc)?( per-layer| per-block)?", name)
+    m = re.fullmatch(r"K([1-8-])V([1-8-]) (haar|hadamard)( nc)?( centred)?( per-layer| per-block)?", name)
     if not m:
-        raise SystemExit(f"unknown variant {name!r}: a built-in name, K<bits>V<bits> haar|hadamard[ nc][ per-layer| per-block] "
-                         "or noise K<eps> V<eps>")
+        raise SystemExit(f"unknown variant {name!r}: one of {sorted(ALIASES)}, K<bits>V<bits> haar|hadamard[ nc][ centred]"
+                         "[ per-layer| per-block] or noise K<eps> V<eps>")
     bits = [None if b == "-" else int(b) for b in m.group(1, 2)]
-    seeds = {None: "shared", " per-layer": "layer", " per-block": "block"}[m.group(5)]
-    return dict(key_bits=bits[0], value_bits=bits[1], rotation=m.group(3), seed=42,
-                norm_correction=bool(m.group(4)), centre_tokens=0, seeds=seeds)
+    seeds = {None: "shared", " per-layer": "layer", " per-block": "block"}[m.group(6)]
+    return dict(key_bits=bits[0], value_bits=bits[1], rotation=m.group(3), seed=42, norm_correction=bool(m.group(4)),
+                centre_tokens=centre_tokens if m.group(5) else 0, seeds=seeds)
 
 
 def rel_rms(x, y, lo, hi):
@@ -162,6 +183,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     t0 = time.perf_counter()
+    if args.context <= args.sinks + args.window + 64:
+        ap.error(f"--context {args.context} leaves (almost) no token between the {args.sinks} sinks and the "
+                 f"{args.window}-token window to code: use a longer context or a shorter --window.")
     params, cfg, tok = model.load_smollm2()
     keys = random_keys(np.random.default_rng(args.seed), args.keys)
     prompts = build_prompts(tok, args.context, args.depth / 100, keys, args.format)
@@ -174,27 +198,9 @@ def main(argv=None):
     del ref
     print(f"prefill {n} x {t} tokens: {time.perf_counter() - t0:.0f} s", flush=True)
 
-    hd = dict(rotation="hadamard", seed=42, norm_correction=True)
-    haar = dict(rotation="haar", seed=42, norm_correction=False)
     c = args.centre_tokens
-    variants = {
-        "bf16": None,
-        "K3V2 (turbo-2.5)": dict(key_bits=3, value_bits=2, centre_tokens=0, **hd),
-        "K3 keys only": dict(key_bits=3, value_bits=None, centre_tokens=0, **hd),
-        "V2 values only": dict(key_bits=None, value_bits=2, centre_tokens=0, **hd),
-        "K3V2 centred": dict(key_bits=3, value_bits=2, centre_tokens=c, **hd),
-        "K4V3 (turbo-3.5)": dict(key_bits=4, value_bits=3, centre_tokens=0, **hd),
-        "K4V3 centred": dict(key_bits=4, value_bits=3, centre_tokens=c, **hd),
-        "K4V2": dict(key_bits=4, value_bits=2, centre_tokens=0, **hd),
-        "4/4 Haar": dict(key_bits=4, value_bits=4, centre_tokens=0, **haar),
-        "4/4 Haar keys only": dict(key_bits=4, value_bits=None, centre_tokens=0, **haar),
-        "4/4 Haar values only": dict(key_bits=None, value_bits=4, centre_tokens=0, **haar),
-        "4/4 Hadamard": dict(key_bits=4, value_bits=4, centre_tokens=0, rotation="hadamard", seed=42, norm_correction=False),
-        "4/4 Haar centred": dict(key_bits=4, value_bits=4, centre_tokens=c, **haar),
-    }
-    if args.variants != "all":
-        want = [w.strip() for w in args.variants.split(",") if w.strip()]
-        variants = {name: variants[name] if name in variants else parse_variant(name) for name in want}
+    want = ["bf16", *ALIASES] if args.variants == "all" else [w.strip() for w in args.variants.split(",") if w.strip()]
+    variants = {name: None if name == "bf16" else parse_variant(name, c) for name in want}
     if args.seeds:
         variants = {
             (f"{name}, seed {sd}" if spec else name): (dict(spec, seed=sd) if spec else spec)
@@ -203,7 +209,7 @@ def main(argv=None):
         }
     for r in args.key_layers.split():
         a, b = (int(x) for x in r.split(":"))
-        variants[f"K3 keys only, layers {a}..{b - 1}"] = dict(key_bits=3, value_bits=None, centre_tokens=0, layers=slice(a, b), **hd)
+        variants[f"K3 keys only, layers {a}..{b - 1}"] = dict(parse_variant("K3 keys only"), layers=slice(a, b))
     lo, hi = args.sinks, max(args.sinks, t - args.window)
     rows = []
     for name, spec in variants.items():

@@ -69,6 +69,8 @@ def test_variant_names():
     assert parse_variant("K5V3 hadamard nc") == dict(key_bits=5, value_bits=3, rotation="hadamard", seed=42,
                                                      norm_correction=True, centre_tokens=0, seeds="shared")
     assert parse_variant("K-V2 haar")["key_bits"] is None
+    assert parse_variant("K4V3 (turbo-3.5)") == parse_variant("K4V3 hadamard nc")  # a named variant is a codec
+    assert parse_variant("K3V2 centred", 100)["centre_tokens"] == 100
     with pytest.raises(SystemExit, match="K<bits>V<bits>"):
         parse_variant("K9V3 haar")
 
