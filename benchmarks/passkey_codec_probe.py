@@ -18,6 +18,10 @@ edge), so the ``K..V..`` rows reproduce the cache's cells closely; the other row
 one thing at a time:
 
 * ``keys only`` / ``values only``: the other side stays exact;
+* ``K<hi>/<m>+<lo>`` keys (TurboQuant's outlier split): per layer and KV head, the ``m``
+  channels of highest mean key energy over the coded span (whole RoPE pairs, so a
+  channel's partner at ``i + d/2`` goes with it) are coded at ``hi`` bits, the other
+  ``d - m`` at ``lo`` bits, each part with its own rotation and float16 norm;
 * ``centred``: each layer and KV head codes ``x - mu``, ``mu`` the mean of the first
   ``--centre-tokens`` context tokens' vectors, and adds ``mu`` back after decoding.
   Attention is invariant to it when exact (``q.(k - mu)`` shifts every logit of a query
@@ -94,12 +98,33 @@ def _coded(x, *, bits, rotation, seed, norm_correction, mu, seeds: str, lo: int)
     return jnp.stack(out)
 
 
+def split_codec(x, *, m: int, hi: int, lo: int, rotation: str, seed: int, norm_correction: bool):
+    """TurboQuant's outlier split of ``x [L, B, T, H, D]``: per layer and head, the ``m``
+    channels of highest mean energy (in whole RoPE pairs ``(i, i + D/2)``) coded at ``hi``
+    bits and the rest at ``lo`` bits, two codecs (seeds ``seed`` and ``seed + 1``)."""
+    d = x.shape[-1]
+    if m % 2 or not 0 < m < d:
+        raise SystemExit(f"outlier split: m={m} must be even and in 2..{d - 2} (whole RoPE pairs)")
+    energy = jnp.mean(jnp.square(x.astype(jnp.float32)), axis=(1, 2))  # [L, H, D]
+    pairs = energy[..., : d // 2] + energy[..., d // 2:]
+    top = jnp.argsort(-pairs, axis=-1)[..., : m // 2]
+    rest = jnp.argsort(-pairs, axis=-1)[..., m // 2:]
+    order = jnp.concatenate([top, top + d // 2, rest, rest + d // 2], axis=-1)  # [L, H, D]: outliers first
+    perm = jnp.broadcast_to(order[:, None, None], x.shape)
+    xp = jnp.take_along_axis(x.astype(jnp.float32), perm, axis=-1)
+    kw = dict(rotation=rotation, norm_correction=norm_correction)
+    yp = jnp.concatenate([codec(xp[..., :m], bits=hi, seed=seed, **kw), codec(xp[..., m:], bits=lo, seed=seed + 1, **kw)],
+                         axis=-1)
+    return jnp.take_along_axis(yp, jnp.argsort(perm, axis=-1), axis=-1)
+
+
 def variant_kv(k, v, *, key_bits, value_bits, rotation, seed, norm_correction, sinks, window, centre_tokens, layers=None,
                seeds: str = "shared"):
     """Context K/V ``[L, B, T, H, D]`` with the coded span replaced by its decoded
     vectors (``None`` bits: that side exact; a float in (0, 1) instead of bits: Gaussian
-    noise of that relative RMS, see :func:`noise`; ``layers``: a slice of the layers
-    coded, the rest exact)."""
+    noise of that relative RMS, see :func:`noise`; a tuple ``(m, hi, lo)``: the outlier
+    split, see :func:`split_codec`; ``layers``: a slice of the layers coded, the rest
+    exact)."""
     t = k.shape[2]
     lo, hi = sinks, max(sinks, t - window)
     out = []
@@ -111,6 +136,9 @@ def variant_kv(k, v, *, key_bits, value_bits, rotation, seed, norm_correction, s
         mu = jnp.mean(x[:, :, :centre_tokens], axis=2, keepdims=True) if centre_tokens else None
         if isinstance(bits, float):
             y = noise(x[:, :, lo:hi], eps=bits, seed=seed + 1_000_003 * side)
+        elif isinstance(bits, tuple):
+            y = split_codec(x[:, :, lo:hi], m=bits[0], hi=bits[1], lo=bits[2], rotation=rotation, seed=seed,
+                            norm_correction=norm_correction)
         else:
             y = _coded(x[:, :, lo:hi], bits=bits, rotation=rotation, seed=seed, norm_correction=norm_correction, mu=mu,
                        seeds=seeds, lo=lo)
@@ -141,7 +169,9 @@ ALIASES = {
 def parse_variant(name: str, centre_tokens: int = 256) -> dict:
     """:func:`variant_kv`'s settings for a variant: a name in :data:`ALIASES`, a codec
     named ``K<bits>V<bits> <rotation>[ nc][ centred][ per-layer| per-block]`` (``K5V3
-    hadamard nc``; ``-`` for bits leaves that side exact; ``centred``: over the first
+    hadamard nc``; ``-`` for bits leaves that side exact; key bits ``<hi>/<m>+<lo>``: the
+    outlier split, ``m`` channels at ``hi`` bits and the rest at ``lo``, see
+    :func:`split_codec`; ``centred``: over the first
     ``centre_tokens``; the last suffix: a rotation seed per layer, or per layer and
     64-token block, see :func:`_coded`), or noise named ``noise K<eps> V<eps>`` (``noise
     K0.01 V0.01``: relative RMS error of each side; ``-`` exact)."""
@@ -150,14 +180,23 @@ def parse_variant(name: str, centre_tokens: int = 256) -> dict:
     if m:
         eps = [None if e == "-" else float(e) for e in m.group(1, 2)]
         return dict(key_bits=eps[0], value_bits=eps[1], rotation="none", seed=42, norm_correction=False, centre_tokens=0)
-    m = re.fullmatch(r"K([1-8-])V([1-8-]) (haar|hadamard)( nc)?( centred)?( per-layer| per-block)?", name)
+    m = re.fullmatch(r"K([1-8-]|[1-8]/\d+\+[1-8])V([1-8-]) (haar|hadamard)( nc)?( centred)?( per-layer| per-block)?",
+                     name)
     if not m:
         raise SystemExit(f"unknown variant {name!r}: one of {sorted(ALIASES)}, K<bits>V<bits> haar|hadamard[ nc][ centred]"
-                         "[ per-layer| per-block] or noise K<eps> V<eps>")
-    bits = [None if b == "-" else int(b) for b in m.group(1, 2)]
+                         "[ per-layer| per-block] (key bits may be an outlier split <hi>/<m>+<lo>) or noise K<eps> V<eps>")
+    bits = [None if b == "-" else int(b) if b.isdigit() else _split(b) for b in m.group(1, 2)]
+    if isinstance(bits[0], tuple) and (m.group(5) or m.group(6)):
+        raise SystemExit(f"variant {name!r}: an outlier split takes neither centring nor per-layer/-block seeds")
     seeds = {None: "shared", " per-layer": "layer", " per-block": "block"}[m.group(6)]
     return dict(key_bits=bits[0], value_bits=bits[1], rotation=m.group(3), seed=42, norm_correction=bool(m.group(4)),
                 centre_tokens=centre_tokens if m.group(5) else 0, seeds=seeds)
+
+
+def _split(text: str) -> tuple:
+    """``"7/16+3"`` -> ``(16, 7, 3)``: (channels, their bits, the other channels' bits)."""
+    hi, m, lo = (int(x) for x in re.fullmatch(r"(\d)/(\d+)\+(\d)", text).groups())
+    return m, hi, lo
 
 
 def rel_rms(x, y, lo, hi):

@@ -98,3 +98,35 @@ def test_per_block_seeds_code_each_block_with_its_own_rotation(kv):
         enc = tq_jax.encode(k[1, :, span], cfg)
         want = tq_jax.decode(enc._replace(norms=enc.norms.astype(jnp.float16).astype(jnp.float32)), cfg)
         np.testing.assert_allclose(kk[1, :, span], np.asarray(want), rtol=0, atol=1e-6)
+
+
+def test_outlier_split_codes_the_loudest_rope_pairs_at_the_high_width():
+    """``K<hi>/<m>+<lo>``: per layer and head, the ``m`` channels of most energy (whole
+    RoPE pairs ``(i, i + D/2)``, loudest first) decode as a ``hi``-bit blob of just those
+    channels, and the others as a ``lo``-bit blob of the rest (seed + 1)."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((2, 1, 30, H, D)).astype(np.float32)
+    x[0, ..., 0, [3, 3 + D // 2]] *= 10  # layer 0, head 0: pair 3 is loud
+    x[1, ..., 1, [20, 20 + D // 2]] *= 10  # layer 1, head 1: pairs 20 and 5
+    x[1, ..., 1, [5, 5 + D // 2]] *= 5
+    spec = parse_variant("K8/4+2V- haar")
+    assert spec["key_bits"] == (4, 8, 2)
+    kk, vv = variant_kv(jnp.asarray(x), jnp.asarray(x), **spec, sinks=0, window=0)
+    kk = np.asarray(kk)
+    np.testing.assert_array_equal(np.asarray(vv), x)
+    for layer in range(2):
+        for head in range(H):
+            v = x[layer, 0, :, head].astype(np.float64)
+            order = np.argsort(-(v[:, : D // 2] ** 2 + v[:, D // 2:] ** 2).mean(0))
+            if (layer, head) == (0, 0):
+                assert order[0] == 3
+            if (layer, head) == (1, 1):
+                assert list(order[:2]) == [20, 5]
+            for pairs, bits, seed in ((order[:2], 8, 42), (order[2:], 2, 43)):
+                chans = np.r_[pairs, pairs + D // 2]
+                part = x[layer, 0, :, head][:, chans]
+                blob = tq_jax.dumps(part[None, None, :, None], bits=bits, seed=seed, norm_dtype="float16")
+                want = np.asarray(tq_jax.loads(blob, dtype=jnp.float32)).reshape(part.shape)
+                np.testing.assert_allclose(kk[layer, 0, :, head][:, chans], want, rtol=0, atol=1e-5)
+    with pytest.raises(SystemExit, match="RoPE pairs"):
+        variant_kv(jnp.asarray(x), jnp.asarray(x), **parse_variant("K8/3+2V- haar"), sinks=0, window=0)
