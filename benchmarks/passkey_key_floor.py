@@ -19,10 +19,12 @@ question, prefilled exactly, queries and keys after RoPE).
    coordinate can reach, ``sum_c w_c min(theta, lam_c 2^-2R_c)``-style, knowing every
    channel's statistics and the queries' in advance; a rotated code spreads its error
    evenly, ``sum_c w_c * mean(lam) 2^-2R``. Their ratio (the *allocation gain*) plus the
-   gap between Lloyd-Max scalar codes and Shannon's bound at 4 bits is the most any
-   per-token 4-bit code can gain over TurboQuant's, under the Gaussian model.
+   gap between Lloyd-Max scalar codes and Shannon's bound, plus the norm's bits, is the
+   most any per-token code of the same budget can gain over TurboQuant's, under the
+   Gaussian model.
 
     python -m benchmarks.passkey_key_floor --context 2048 --depth 50   # from the repository root
+    python -m benchmarks.passkey_key_floor --key-bits 3 --norm-bits 6  # turbo-2.5's key budget
 
 Prints two markdown tables. What it does not bound: codes across tokens (the filler
 repeats; a code that exploits that is not a per-token KV cache).
@@ -110,6 +112,9 @@ def main(argv=None):
     ap.add_argument("--format", default="chat")
     ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--key-bits", type=int, default=4, help="the TurboQuant key width whose budget the ideal code gets")
+    ap.add_argument("--norm-bits", type=int, default=16, help="bits of its norm per vector (16: float16, 4/4; 6: the "
+                    "turbo presets' log codes)")
     args = ap.parse_args(argv)
 
     t0 = time.perf_counter()
@@ -144,17 +149,19 @@ def main(argv=None):
     for name, bits, err in rows:
         print(f"| {name} | {bits:.2f} | {err:.4f} | {err / k4:.2f} | {iso_bits(err):.2f} |")
 
-    gap = 0.5 * np.log2(d * codebook.expected_mse(d, 4) / 2.0**-8)  # Lloyd-Max at 4 bits vs Shannon, in bits
-    print("\n| what an ideal per-token key code at 4/4's 4.25 bits/elem could add to TurboQuant K4 (Gaussian model) "
-          "| gain in logit MSE | bits it is worth |")
+    b, n = args.key_bits, args.norm_bits
+    budget = b + n / d
+    gap = 0.5 * np.log2(d * codebook.expected_mse(d, b) / 2.0 ** (-2 * b))  # Lloyd-Max at b bits vs Shannon, in bits
+    print(f"\n| what an ideal per-token key code at TurboQuant K{b}'s {budget:.2f} bits/elem ({n}-bit norms) could add "
+          "to it (Gaussian model) | gain in logit MSE | bits it is worth |")
     print("|---|---:|---:|")
-    g = allocation_gain(qs, ks, 4.25)
-    parts = [("per-channel bit allocation, knowing every key and query statistic in advance", g),
-             ("vector quantization: Shannon's bound vs Lloyd-Max at 4 bits", 4**gap),
-             ("no norm: its 16 bits spent on codes", 4 ** (16 / d))]
+    parts = [("per-channel bit allocation, knowing every key and query statistic in advance",
+              allocation_gain(qs, ks, budget)),
+             (f"vector quantization: Shannon's bound vs Lloyd-Max at {b} bits", 4**gap),
+             ("no norm: its bits spent on codes", 4 ** (n / d))]
     for label, gain in parts:
         print(f"| {label} | {gain:.2f}x | +{0.5 * np.log2(gain):.2f} |")
-    total = 4 + sum(0.5 * np.log2(gain) for _, gain in parts)
+    total = b + sum(0.5 * np.log2(gain) for _, gain in parts)
     print(f"| **all of it** | | **{total:.2f} iso-equivalent bits** |")
 
 if __name__ == "__main__":
