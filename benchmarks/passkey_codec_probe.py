@@ -107,8 +107,8 @@ def split_codec(x, *, m: int, hi: int, lo: int, rotation: str, seed: int, norm_c
         raise SystemExit(f"outlier split: m={m} must be even and in 2..{d - 2} (whole RoPE pairs)")
     energy = jnp.mean(jnp.square(x.astype(jnp.float32)), axis=(1, 2))  # [L, H, D]
     pairs = energy[..., : d // 2] + energy[..., d // 2:]
-    top = jnp.argsort(-pairs, axis=-1)[..., : m // 2]
-    rest = jnp.argsort(-pairs, axis=-1)[..., m // 2:]
+    ranked = jnp.argsort(-pairs, axis=-1)
+    top, rest = ranked[..., : m // 2], ranked[..., m // 2:]
     order = jnp.concatenate([top, top + d // 2, rest, rest + d // 2], axis=-1)  # [L, H, D]: outliers first
     perm = jnp.broadcast_to(order[:, None, None], x.shape)
     xp = jnp.take_along_axis(x.astype(jnp.float32), perm, axis=-1)
