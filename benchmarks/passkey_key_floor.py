@@ -15,10 +15,11 @@ question, prefilled exactly, queries and keys after RoPE).
 2. **The ideal per-channel allocation, a bound.** Model each key channel ``c`` of a
    layer and head as Gaussian with the span's energy ``lam_c``, and weight its error by
    the queries' energy ``w_c`` on it (the logit error is ``sum_c w_c err_c``). Shannon's
-   reverse water-filling gives the least weighted error any code of ``R`` bits per
-   coordinate can reach, ``sum_c w_c min(theta, lam_c 2^-2R_c)``-style, knowing every
-   channel's statistics and the queries' in advance; a rotated code spreads its error
-   evenly, ``sum_c w_c * mean(lam) 2^-2R``. Their ratio (the *allocation gain*) plus the
+   reverse water-filling over every channel of every layer and head gives the least
+   weighted error any code of ``R`` bits per coordinate can reach, ``sum_c min(theta,
+   w_c lam_c)``, knowing every channel's statistics and the queries' in advance; a
+   rotated code spreads its error evenly over a head's channels, ``sum_c w_c mean(lam)
+   2^-2R``. Their ratio (the *allocation gain*) plus the
    gap between Lloyd-Max scalar codes and Shannon's bound, plus the norm's bits, is the
    most any per-token code of the same budget can gain over TurboQuant's, under the
    Gaussian model.
@@ -90,19 +91,18 @@ def waterfill(weighted: np.ndarray, rate: float) -> float:
 
 
 def allocation_gain(q, k, rate: float) -> float:
-    """The rotated code's weighted error over the ideal allocation's, summed over every
-    layer and KV head (see the module docstring); channel energies ``lam`` from ``k``
-    ``[L, T, H, d]``, query weights ``w`` from ``q`` ``[L, Q, heads, d]``."""
+    """The rotated code's weighted error over the ideal allocation's (see the module
+    docstring): channel energies ``lam`` from ``k [L, T, H, d]``, query weights ``w``
+    from ``q [L, Q, heads, d]``. The rotated code spends ``rate`` bits on every
+    coordinate of every layer and head; the ideal one water-fills one budget over all
+    of them at once (a token's key is every layer's and head's, so bits may move
+    between heads as well as channels)."""
     l, n_q, hq, d = q.shape
     hkv = k.shape[2]
     lam = np.mean(np.square(np.asarray(k, np.float64)), axis=1)  # [L, H, d]
     w = np.mean(np.square(np.asarray(q, np.float64)).reshape(l, n_q, hkv, hq // hkv, d), axis=(1, 3))
-    iso = ideal = 0.0
-    for i in range(l):
-        for h in range(hkv):
-            iso += np.sum(w[i, h]) * np.mean(lam[i, h]) * 2.0 ** (-2 * rate)
-            ideal += waterfill(w[i, h] * lam[i, h], rate)
-    return iso / ideal
+    iso = np.sum(np.sum(w, axis=-1) * np.mean(lam, axis=-1)) * 2.0 ** (-2 * rate)
+    return float(iso / waterfill((w * lam).ravel(), rate))
 
 
 def main(argv=None):
@@ -155,7 +155,7 @@ def main(argv=None):
     print(f"\n| what an ideal per-token key code at TurboQuant K{b}'s {budget:.2f} bits/elem ({n}-bit norms) could add "
           "to it (Gaussian model) | gain in logit MSE | bits it is worth |")
     print("|---|---:|---:|")
-    parts = [("per-channel bit allocation, knowing every key and query statistic in advance",
+    parts = [("bit allocation over channels, heads and layers, knowing every key and query statistic in advance",
               allocation_gain(qs, ks, budget)),
              (f"vector quantization: Shannon's bound vs Lloyd-Max at {b} bits", 4**gap),
              ("no norm: its bits spent on codes", 4 ** (n / d))]
