@@ -164,5 +164,6 @@ def main(argv=None):
     total = b + sum(0.5 * np.log2(gain) for _, gain in parts)
     print(f"| **all of it** | | **{total:.2f} iso-equivalent bits** |")
 
+
 if __name__ == "__main__":
     main()
