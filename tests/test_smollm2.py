@@ -48,6 +48,38 @@ def test_expand_specs_fills_defaults_and_windows():
     assert [s.label for s in cli.expand_specs(specs)] == ["bf16", "tq:4/4", "tq:K4V3,window=16"]
 
 
+def test_expand_specs_runs_each_setting_once_per_rotation_seed():
+    specs = [caches.parse_spec(s) for s in ("tq:4/4", "tq:K6V4,seed=9")]
+    labels = [s.label for s in cli.expand_specs(specs, seeds=[1, 2])]
+    # a spec's own seed wins over --rotation-seeds (so it runs once)
+    assert labels == ["bf16", "tq:4/4,seed=1", "tq:4/4,seed=2", "tq:K6V4,seed=9"]
+    assert cli.expand_specs(specs, seeds=[1])[1].settings == {"key_bits": 4, "value_bits": 4, "seed": 1}
+
+
+def test_passkey_report_adds_each_settings_mean_over_its_seeds():
+    cols = [(512, 0), (512, 50)]
+    acc = {
+        "bf16": {(512, 0): 100.0, (512, 50): 90.0},
+        "tq:4/4,seed=1": {(512, 0): 0.0, (512, 50): 100.0},
+        "tq:4/4,seed=2": {(512, 0): 100.0, (512, 50): 60.0},
+        "tq:4/4,seed=3": {(512, 0): 50.0, (512, 50): 20.0},
+        "tq:turbo-3.5,window=64,seed=1": {(512, 0): 100.0, (512, 50): 90.0},
+        "tq:turbo-3.5,window=64,seed=2": {(512, 0): 90.0, (512, 50): 100.0},
+        "tq:K8V4,seed=5": {(512, 0): 100.0, (512, 50): 90.0},  # one seed: no mean row
+    }
+    means = cli.seed_means(acc)
+    assert means == {
+        "tq:4/4": ([1, 2, 3], {(512, 0): 50.0, (512, 50): 60.0}),
+        "tq:turbo-3.5,window=64": ([1, 2], {(512, 0): 95.0, (512, 50): 95.0}),
+    }
+    examples = {(label, 512, d): ("12345", " 12345.") for label in acc for _, d in cols}
+    lines = cli.passkey_markdown(acc, examples, contexts=[512], depths=[0, 50], keys=3, seed=0, fmt="chat",
+                                 strict_prefill=False)
+    assert "| tq:4/4 | 1,2,3 | 50 | 60 | -50 |" in lines  # worst: 50 - 100 at 0 %
+    assert "| tq:turbo-3.5,window=64 | 1,2 | 95 | 95 | -5 |" in lines
+    assert not any(line.startswith("| tq:K8V4 |") for line in lines)
+
+
 def test_init_cache_passes_kvcache_keywords_through():
     from tq_jax import kvcache
 

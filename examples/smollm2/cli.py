@@ -9,7 +9,8 @@
 Caches are given as specs (``--cache bf16 --cache tq:4/4 --cache tq:turbo-3.5,window=64``;
 see :func:`examples.smollm2.caches.parse_spec`); ``--window``/``--sinks`` fill in what a
 ``tq`` spec does not set itself, ``--windows 0,64,128`` runs each ``tq`` spec once per
-window. Each subcommand writes a markdown report (``--out``, or ``-`` to print only)
+window and ``--rotation-seeds 1,2,3`` once per rotation seed (the passkey report then adds
+each setting's mean over its seeds: one seed's cell is one draw). Each subcommand writes a markdown report (``--out``, or ``-`` to print only)
 that records the commit and the command. Run from the repository root; see
 docs/serving-smollm2.md for the protocols and run times.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import re
 import shlex
 import statistics
 import subprocess
@@ -63,19 +65,38 @@ def _spec(text: str) -> _caches.CacheSpec:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def expand_specs(specs, *, window=None, sinks=None, windows=None) -> list[_caches.CacheSpec]:
+def expand_specs(specs, *, window=None, sinks=None, windows=None, seeds=None) -> list[_caches.CacheSpec]:
     """The specs to run: ``bf16`` first (always: it is the reference), then each ``tq``
     spec with ``window``/``sinks`` filled in where it does not set them, once per value
-    of ``windows`` when given."""
+    of ``windows`` and of ``seeds`` (rotation seeds) when given."""
     out = [_caches.CacheSpec("bf16", "bf16")]
     for spec in specs:
         if spec.kind == "bf16":
             continue
         for w in windows if windows else [window]:
-            s = spec.with_settings(window=w, sinks=sinks)
-            if s.label not in {o.label for o in out}:
-                out.append(s)
+            for seed in seeds if seeds else [None]:
+                s = spec.with_settings(window=w, sinks=sinks, seed=seed)
+                if s.label not in {o.label for o in out}:
+                    out.append(s)
     return out
+
+
+_SEED = re.compile(r",seed=-?\d+")
+
+
+def seed_means(acc: dict) -> dict:
+    """``{setting: (seeds, {cell: mean %})}`` for every setting that ran at more than one
+    rotation seed: labels equal but for their ``,seed=N`` part are one setting."""
+    groups: dict = {}
+    for label, cells in acc.items():
+        m = _SEED.search(label)
+        if m:
+            groups.setdefault(_SEED.sub("", label), []).append((int(m.group(0).split("=")[1]), cells))
+    return {
+        name: ([sd for sd, _ in runs], {c: float(np.mean([cells[c] for _, cells in runs])) for c in runs[0][1]})
+        for name, runs in groups.items()
+        if len(runs) > 1
+    }
 
 
 def _git_commit() -> str:
@@ -159,7 +180,7 @@ def quality_markdown(rows, *, seqs: int, prefix: int, scored: int, chunk: int, f
 def cmd_quality(args, argv) -> int:
     t_all, load_avg = time.perf_counter(), os.getloadavg()[0]
     params, cfg, tok = load_smollm2()
-    specs = expand_specs(args.cache, window=args.window, sinks=args.sinks, windows=args.windows)
+    specs = expand_specs(args.cache, window=args.window, sinks=args.sinks, windows=args.windows, seeds=args.rotation_seeds)
     ids = _quality.text_tokens(tok)
     windows = _quality.text_windows(ids, args.seqs, args.prefix + args.scored)
     _log(f"{len(specs)} caches, {args.seqs} windows x ({args.prefix} prefix + {args.scored} scored), chunk {args.chunk}")
@@ -212,6 +233,15 @@ def passkey_markdown(acc, examples, *, contexts, depths, keys: int, seed: int, f
     for label, cells in acc.items():
         worst = min(cells[c] - acc["bf16"][c] for c in cols)
         lines.append(f"| {label} | " + " | ".join(f"{cells[c]:.0f}" for c in cols) + f" | {'' if label == 'bf16' else f'{worst:+.0f}'} |")
+    means = seed_means(acc)
+    if means:
+        lines += ["", "Mean over rotation seeds (the rows above that differ only in `seed=`):", ""]
+        lines.append("| setting | seeds | " + " | ".join(f"{c} @ {d}%" for c, d in cols) + " | worst mean vs bf16 |")
+        lines.append("|---|---|" + "---:|" * (len(cols) + 1))
+        for name, (seeds, cells) in means.items():
+            worst = min(cells[c] - acc["bf16"][c] for c in cols)
+            lines.append(f"| {name} | {','.join(map(str, seeds))} | " + " | ".join(f"{cells[c]:.0f}" for c in cols)
+                         + f" | {worst:+.0f} |")
     lines += ["", "First answer of each cell at the longest context (key, decoded tokens):", ""]
     for label in acc:
         for d in depths:
@@ -223,7 +253,7 @@ def passkey_markdown(acc, examples, *, contexts, depths, keys: int, seed: int, f
 def cmd_passkey(args, argv) -> int:
     t_all, load_avg = time.perf_counter(), os.getloadavg()[0]
     params, cfg, tok = load_smollm2()
-    specs = expand_specs(args.cache, window=args.window, sinks=args.sinks, windows=args.windows)
+    specs = expand_specs(args.cache, window=args.window, sinks=args.sinks, windows=args.windows, seeds=args.rotation_seeds)
     runner = _passkey.Runner(cfg)
     rng = np.random.default_rng(args.seed)
     acc = {s.label: {} for s in specs}
@@ -290,7 +320,7 @@ def hf_check(params, cfg, ids):
 def cmd_speed(args, argv) -> int:
     t_all, load_avg = time.perf_counter(), os.getloadavg()[0]
     params, cfg, tok = load_smollm2()
-    specs = expand_specs(args.cache, window=args.window, sinks=args.sinks, windows=args.windows)
+    specs = expand_specs(args.cache, window=args.window, sinks=args.sinks, windows=args.windows, seeds=args.rotation_seeds)
     check = None
     if args.check_tokens:
         check = hf_check(params, cfg, _quality.text_tokens(tok)[: args.check_tokens])
@@ -360,6 +390,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--window", type=int, help="exact recent tokens (kvcache.init's window=) for tq specs that do not set it; default: kvcache's")
         p.add_argument("--sinks", type=int, help="exact first tokens (sinks=) for tq specs that do not set them; default: kvcache's")
         p.add_argument("--windows", type=_int_list, help="run every tq spec once per window, e.g. 0,16,32,64,128,256")
+        p.add_argument("--rotation-seeds", type=_int_list, help="run every tq spec that sets no seed once per rotation "
+                       "seed, e.g. 1,2,3,4,5 (passkey adds each setting's mean over them)")
         p.add_argument("--out", default=str(RESULTS / default_out), help="markdown report, or - to print only (default: %(default)s)")
         p.set_defaults(default_caches=default_caches)
 
