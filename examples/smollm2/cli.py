@@ -10,8 +10,8 @@ Caches are given as specs (``--cache bf16 --cache tq:4/4 --cache tq:turbo-3.5,wi
 see :func:`examples.smollm2.caches.parse_spec`); ``--window``/``--sinks`` fill in what a
 ``tq`` spec does not set itself, ``--windows 0,64,128`` runs each ``tq`` spec once per
 window and ``--rotation-seeds 1,2,3`` once per rotation seed (the passkey report then adds
-each setting's mean over its seeds: one seed's cell is one draw). Each subcommand writes a markdown report (``--out``, or ``-`` to print only)
-that records the commit and the command. Run from the repository root; see
+each setting's mean over its seeds: one seed's cell is one draw). Each subcommand writes a
+markdown report (``--out``, or ``-`` to print only) that records the commit and the command. Run from the repository root; see
 docs/serving-smollm2.md for the protocols and run times.
 """
 
@@ -81,7 +81,7 @@ def expand_specs(specs, *, window=None, sinks=None, windows=None, seeds=None) ->
     return out
 
 
-_SEED = re.compile(r",seed=-?\d+")
+_SEED = re.compile(r",seed=(-?\d+)")
 
 
 def seed_means(acc: dict) -> dict:
@@ -91,7 +91,7 @@ def seed_means(acc: dict) -> dict:
     for label, cells in acc.items():
         m = _SEED.search(label)
         if m:
-            groups.setdefault(_SEED.sub("", label), []).append((int(m.group(0).split("=")[1]), cells))
+            groups.setdefault(_SEED.sub("", label), []).append((int(m.group(1)), cells))
     return {
         name: ([sd for sd, _ in runs], {c: float(np.mean([cells[c] for _, cells in runs])) for c in runs[0][1]})
         for name, runs in groups.items()
