@@ -24,11 +24,11 @@ def kv():
     return jnp.asarray(k), jnp.asarray(v)
 
 
-def _wire(x, bits):
-    """The coded span as a v1 TQ01 blob decodes it (float16 norms, Haar seed 42)."""
+def _wire(x, bits, seed=42):
+    """``x``'s vectors (last axis) as a v1 TQ01 blob decodes them (float16 norms, Haar)."""
     x = np.asarray(x, np.float32)
-    flat = x.reshape(1, -1, H, D)  # [layers, tokens, heads, dim]: every vector coded alone
-    blob = tq_jax.dumps(np.stack([flat, flat]), bits=bits, seed=42, norm_dtype="float16")
+    flat = x.reshape(1, -1, 1, x.shape[-1])  # [layers, tokens, heads, dim]: every vector coded alone
+    blob = tq_jax.dumps(np.stack([flat, flat]), bits=bits, seed=seed, norm_dtype="float16")
     return np.asarray(tq_jax.loads(blob, dtype=jnp.float32))[0].reshape(x.shape)
 
 
@@ -124,9 +124,7 @@ def test_outlier_split_codes_the_loudest_rope_pairs_at_the_high_width():
                 assert list(order[:2]) == [20, 5]
             for pairs, bits, seed in ((order[:2], 8, 42), (order[2:], 2, 43)):
                 chans = np.r_[pairs, pairs + D // 2]
-                part = x[layer, 0, :, head][:, chans]
-                blob = tq_jax.dumps(part[None, None, :, None], bits=bits, seed=seed, norm_dtype="float16")
-                want = np.asarray(tq_jax.loads(blob, dtype=jnp.float32)).reshape(part.shape)
+                want = _wire(x[layer, 0, :, head][:, chans], bits, seed)
                 np.testing.assert_allclose(kk[layer, 0, :, head][:, chans], want, rtol=0, atol=1e-5)
     with pytest.raises(SystemExit, match="RoPE pairs"):
         variant_kv(jnp.asarray(x), jnp.asarray(x), **parse_variant("K8/3+2V- haar"), sinks=0, window=0)
