@@ -100,11 +100,11 @@ def build_serde(o: SerdeOptions):
 
     Without ``encrypt``: :class:`~tq_jax.bridge.serde.TQJaxSerializer` and its
     deserializer, key-bound when the options checksum (``bind_key``). With it: both
-    wrapped by :mod:`~tq_jax.bridge.seal` (AES-GCM, the key as associated data, so
-    no key trailer inside).
+    wrapped by :mod:`~tq_jax.bridge.seal` (AES-GCM, a key per value, the ObjectKey as
+    associated data, so no key trailer inside).
 
     Raises:
-        ValueError: the master key file cannot be read or is too short.
+        ValueError: a master key file cannot be read or is too short.
     """
     device = resolve_device(o.device)
     sealed = o.encrypt is not None
@@ -113,10 +113,10 @@ def build_serde(o: SerdeOptions):
     deserializer = _serde.TQJaxDeserializer(device=device, bind_key=serializer.bind_key)
     if not sealed:
         return serializer, deserializer
-    keys = _seal.key_provider(o.encrypt)
+    keys = _seal.key_ring(o.encrypt)
     return (
         _seal.SealingSerializer(serializer, keys),
-        _seal.OpeningDeserializer(deserializer, keys, serializer.estimate_serialized_size),
+        _seal.OpeningDeserializer(deserializer, keys, serializer.estimate_serialized_size, accept_tqs1=o.encrypt.accept_tqs1),
     )
 
 
@@ -136,8 +136,13 @@ def created_message(o: SerdeOptions, options: tq_jax.Options, device) -> str:
     fields = {"head_dim": o.head_dim, **dataclasses.asdict(options), "preset": o.preset,
               "max_workers": o.max_workers, "device": where}
     if o.encrypt is not None:
+        e = o.encrypt
         readers = "sealed with AES-GCM: only tq_jax with the same master key opens it"
-        fields["encrypt"] = f"aes-{o.encrypt.aes_bits}-gcm/{o.encrypt.key_provider} (master key file {o.encrypt.master_key_path})"
+        fields["encrypt"] = (
+            f"aes-{e.aes_bits}-gcm/{e.key_provider}, a key per value (frame TQS2), sealing with master key file "
+            f"{e.master_key_paths[0]}" + (f", opening with {', '.join(e.master_key_paths[1:])} too" if len(e.master_key_paths) > 1 else "")
+            + ("; TQS1 values opened" if e.accept_tqs1 else "; TQS1 values refused")
+        )
     else:
         fields["key_binding"] = options.checksum  # a key trailer after checksummed blobs
     return (

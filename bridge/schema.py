@@ -172,18 +172,42 @@ def _use_qjl(name: str, value: object) -> bool:
 class EncryptConfig(NamedTuple):
     """The checked ``encrypt`` block: how :mod:`~tq_jax.bridge.seal` gets its keys."""
 
-    key_provider: str  # "hkdf": a key per cache_salt derived from one master key
-    master_key_path: str  # a file holding the master key's bytes (read when the serde is built)
+    key_provider: str  # "hkdf": a key per cache_salt derived from each master key
+    master_key_paths: tuple[str, ...]  # files holding master keys, newest first: seal with [0], open with any
     aes_bits: int  # 128 or 256
+    accept_tqs1: bool = True  # open values in the TQS1 frame (random GCM nonces under the tenant key)
 
 
-ENCRYPT_KEYS = ("key_provider", "master_key_path", "aes_bits")
+ENCRYPT_KEYS = ("key_provider", "master_key_path", "master_key_paths", "aes_bits", "accept_tqs1")
 KEY_PROVIDERS = ("hkdf",)
 AES_BITS = (128, 256)
+MAX_MASTER_KEYS = 16  # a value under the k-th key costs k tag checks to open
 BAD_ENCRYPT = (
     "serde option `encrypt` must be an object like {{\"key_provider\": \"hkdf\", "
-    "\"master_key_path\": \"/etc/lmcache/master.key\", \"aes_bits\": 256}}: {why}"
+    "\"master_key_paths\": [\"/etc/lmcache/master-2.key\", \"/etc/lmcache/master-1.key\"], "
+    "\"aes_bits\": 256}} (or one \"master_key_path\"): {why}"
 )
+
+
+def _key_paths(value: Mapping) -> tuple[str, ...]:
+    """``master_key_paths`` (newest first) or the single ``master_key_path``: exactly one."""
+    one, many = value.get("master_key_path"), value.get("master_key_paths")
+    if one is not None and many is not None:
+        raise ValueError(BAD_ENCRYPT.format(why="give `master_key_path` or `master_key_paths`, not both (list the current key first)."))
+    if many is None:
+        if not isinstance(one, str) or not one:
+            raise ValueError(BAD_ENCRYPT.format(why=f"`master_key_path` must name the master key's file, got {one!r}."))
+        return (one,)
+    if isinstance(many, str) or not isinstance(many, list | tuple) or not many:
+        raise ValueError(BAD_ENCRYPT.format(why=f"`master_key_paths` must be a non-empty list of files, newest first, got {many!r}."))
+    if len(many) > MAX_MASTER_KEYS:
+        raise ValueError(BAD_ENCRYPT.format(why=f"`master_key_paths` lists {len(many)} files, more than {MAX_MASTER_KEYS}: drop the keys no stored value uses any more."))
+    for p in many:
+        if not isinstance(p, str) or not p:
+            raise ValueError(BAD_ENCRYPT.format(why=f"every entry of `master_key_paths` must name a file, got {p!r}."))
+    if len(set(many)) != len(many):
+        raise ValueError(BAD_ENCRYPT.format(why=f"`master_key_paths` names a file twice: {list(many)}."))
+    return tuple(many)
 
 
 def _encrypt(name: str, value: object) -> EncryptConfig | None:
@@ -198,13 +222,14 @@ def _encrypt(name: str, value: object) -> EncryptConfig | None:
     provider = _choice(*KEY_PROVIDERS, why=" 'hkdf' derives a key per cache_salt from one master key.")(
         f"{name}.key_provider", value.get("key_provider", "hkdf")
     )
-    path = value.get("master_key_path")
-    if not isinstance(path, str) or not path:
-        raise ValueError(BAD_ENCRYPT.format(why=f"`master_key_path` must name the master key's file, got {path!r}."))
+    paths = _key_paths(value)
     bits = value.get("aes_bits", 256)
     if isinstance(bits, bool) or bits not in AES_BITS:
         raise ValueError(BAD_ENCRYPT.format(why=f"`aes_bits` must be one of {AES_BITS}, got {bits!r}."))
-    return EncryptConfig(provider, path, bits)
+    accept = value.get("accept_tqs1", True)
+    if not isinstance(accept, bool):
+        raise ValueError(BAD_ENCRYPT.format(why=f"`accept_tqs1` must be true or false, got {accept!r}."))
+    return EncryptConfig(provider, paths, bits, accept)
 
 
 # ----------------------------------------------------------------------------- the option table
@@ -236,7 +261,8 @@ _BRIDGE_V1 = (
 )
 _BRIDGE_LAST = (
     Option("preset", None, _preset, f"a named bundle of the v2 options: {', '.join(sorted(PRESETS))}; explicit keys override it", version=2),
-    Option("encrypt", None, _encrypt, "seal every value with AES-GCM, a key per cache_salt: {key_provider: hkdf, master_key_path, aes_bits: 128|256}"),
+    Option("encrypt", None, _encrypt, "seal every value with AES-GCM under a key of its own (per tenant and value): "
+           "{key_provider: hkdf, master_key_paths: [newest, ...] or master_key_path, aes_bits: 128|256, accept_tqs1: true}"),
 )
 # Where the bridge narrows an Options field: blob sizes must be known from the layout
 # alone (no norm_dtype "auto"), and LMCache configs give seeds in int32's range.

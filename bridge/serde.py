@@ -70,6 +70,7 @@ from lmcache.v1.distributed.serde.base import Deserializer, Serializer  # noqa: 
 from lmcache.v1.memory_management import MemoryObj  # noqa: E402
 
 import tq_jax  # noqa: E402
+from tq_jax import frames as _frames  # noqa: E402
 from tq_jax import wire as _wire  # noqa: E402
 from tq_jax.bridge import dlpack  # noqa: E402
 from tq_jax.bridge.schema import AUTO_NORMS, NORM_DTYPES, codec_options_for  # noqa: E402, F401 (re-exported)
@@ -237,9 +238,10 @@ def _host_bytes(t: torch.Tensor) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- key binding
 
-KEY_TRAILER_MAGIC = b"TQK1"
-KEY_DIGEST_BYTES = 16
-KEY_TRAILER_BYTES = len(KEY_TRAILER_MAGIC) + KEY_DIGEST_BYTES
+# The frame's facts live in the dependency-free tq_jax.frames, which the CLI reads too.
+KEY_TRAILER_MAGIC = _frames.KEY_TRAILER_MAGIC  # b"TQK1"
+KEY_DIGEST_BYTES = _frames.KEY_DIGEST_BYTES  # 16
+KEY_TRAILER_BYTES = _frames.KEY_TRAILER_BYTES
 """Bytes a key-bound value carries after its blob(s): ``b"TQK1"`` + BLAKE2b-128 of the key."""
 
 

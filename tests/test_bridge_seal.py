@@ -46,10 +46,13 @@ def chunk(seed: int = 0):
     return obj
 
 
-def serde_pair(preset: str, master_path=None):
+def serde_pair(preset: str, master_path=None, **encrypt):
+    """The serde of ``preset``; with ``master_path`` (a file, or a list of files newest
+    first) sealed, ``encrypt`` adding keys of the block (``accept_tqs1``)."""
     cfg = {"preset": preset}
     if master_path is not None:
-        cfg["encrypt"] = {"key_provider": "hkdf", "master_key_path": str(master_path), "aes_bits": 256}
+        paths = {"master_key_paths": [str(p) for p in master_path]} if isinstance(master_path, list) else {"master_key_path": str(master_path)}
+        cfg["encrypt"] = {"key_provider": "hkdf", **paths, "aes_bits": 256, **encrypt}
     return registry.build_serde(registry.parse_options(cfg))
 
 
@@ -83,7 +86,8 @@ def master_file(tmp_path):
 
 
 def expected(blob: bytes):
-    return torch.from_numpy(np.asarray(tq_jax.loads(blob)).view(np.int16)).view(BF16).reshape(SHAPE)
+    # np.array copies: torch.from_numpy of a read-only view warns ("NumPy array is not writable").
+    return torch.from_numpy(np.array(tq_jax.loads(blob)).view(np.int16)).view(BF16).reshape(SHAPE)
 
 
 # ----------------------------------------------------------------------------- key binding
@@ -143,6 +147,34 @@ def test_every_flipped_byte_of_a_checksummed_value_is_refused():
 
 # ----------------------------------------------------------------------------- sealing
 
+# The derivations, written out here independently of bridge/seal.py (docs/bridge.md, frames).
+V1_INFO, V2_INFO, VALUE_INFO = b"tq_jax-l2-aesgcm-v1", b"tq_jax-l2-aesgcm-v2", b"tq_jax-l2-value-v2"
+
+
+def open_tqs2(master: bytes, value: bytes, k) -> bytes:
+    """A TQS2 value's plaintext: AES-GCM under HKDF-Expand(tenant PRK, info | salt | key), nonce 0."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    from cryptography.hazmat.primitives.hashes import SHA256
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDFExpand
+    from lmcache.v1.distributed.serde.key_provider import HkdfKeyProvider
+
+    assert value[:4] == b"TQS2"
+    prk = HkdfKeyProvider(master, 32, V2_INFO).get_key(k.cache_salt)
+    vk = HKDFExpand(SHA256(), 32, VALUE_INFO + value[4:16] + S.object_key_bytes(k)).derive(prk)
+    return AESGCM(vk).decrypt(bytes(12), value[16:], S.object_key_bytes(k))
+
+
+def seal_tqs1(master: bytes, plain: bytes, k) -> bytes:
+    """The TQS1 frame as this serde wrote it before: the tenant key, a random nonce."""
+    import os
+
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    from lmcache.v1.distributed.serde.key_provider import HkdfKeyProvider
+
+    nonce = os.urandom(12)
+    dek = HkdfKeyProvider(master, 32, V1_INFO).get_key(k.cache_salt)
+    return b"TQS1" + nonce + AESGCM(dek).encrypt(nonce, plain, S.object_key_bytes(k))
+
 
 @pytest.mark.parametrize("preset", ["turbo-3.5", "compat-4bit"])
 def test_sealed_value_opens_only_under_its_key(preset, master_file):
@@ -150,7 +182,7 @@ def test_sealed_value_opens_only_under_its_key(preset, master_file):
     size = tq_jax.Options(**tq_jax.PRESETS[preset]).serialized_size(STORED, "bfloat16")
     k = okey(7, salt="tenant-a")
     value = store(ser, chunk(7), k)
-    assert len(value) == size + seal.OVERHEAD and value[:4] == seal.MAGIC
+    assert len(value) == size + 32 == size + seal.OVERHEAD and value[:4] == b"TQS2"
     got = load(de, value, k)
     assert isinstance(got, torch.Tensor)
     # The plaintext is the same TQ01 blob the unencrypted serde writes (no key trailer inside).
@@ -164,44 +196,168 @@ def test_sealed_value_opens_only_under_its_key(preset, master_file):
         assert isinstance(err, seal.SealError) and "does not verify" in str(err), other
 
 
-def test_sealing_uses_a_fresh_nonce_and_lmcache_hkdf_keys(master_file):
-    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-    from lmcache.v1.distributed.serde.key_provider import HkdfKeyProvider
-
+def test_tqs2_value_key_is_per_value_and_opens_independently(master_file):
     ser, de = serde_pair("turbo-3.5", master_file)
     k = okey(9, salt="t")
     a, b = store(ser, chunk(9), k), store(ser, chunk(9), k)
-    assert a[4:16] != b[4:16] and a[16:] != b[16:]  # same chunk, same key: other nonce, other bytes
-    # Independent opening with LMCache's key provider and cryptography's AESGCM.
-    dek = HkdfKeyProvider(MASTER, 32, b"tq_jax-l2-aesgcm-v1").get_key("t")
-    plain = AESGCM(dek).decrypt(a[4:16], a[16:], S.object_key_bytes(k))
+    assert a[4:16] != b[4:16] and a[16:] != b[16:]  # same chunk, same key: another salt, other bytes
+    # Opened with LMCache's key provider, cryptography's HKDF and AESGCM, the documented infos.
+    plain = open_tqs2(MASTER, a, k)
+    assert open_tqs2(MASTER, b, k) == plain
     assert torch.equal(load(de, a, k), expected(plain))
+    plain_ser, _ = serde_pair("turbo-3.5")
+    assert plain == store(plain_ser, chunk(9), k)[: len(plain)]  # the unencrypted serde's blob
+    # The value key depends on the salt and on the whole key: the same ciphertext under
+    # another salt, or the salt moved to another key, does not open.
+    from cryptography.exceptions import InvalidTag
+
+    with pytest.raises(InvalidTag):
+        open_tqs2(MASTER, a[:4] + b[4:16] + a[16:], k)
+    with pytest.raises(InvalidTag):
+        open_tqs2(MASTER, a, okey(9, salt="t", group=1))
 
 
-def test_sealed_value_refuses_any_flip_and_a_wrong_master_key(master_file, tmp_path):
+def test_tqs1_values_still_open_and_can_be_refused(master_file):
+    ser, de = serde_pair("turbo-3.5", master_file)
+    k = okey(12, salt="t")
+    plain = open_tqs2(MASTER, store(ser, chunk(12), k), k)
+    old = seal_tqs1(MASTER, plain, k)
+    assert len(old) == len(plain) + 32  # the same size as TQS2: LMCache's adapters accept it
+    assert torch.equal(load(de, old, k), expected(plain))
+    for other in (okey(12, salt="u"), okey(13, salt="t")):  # still bound to its key
+        assert isinstance(load(de, old, other), seal.SealError)
+    _, strict = serde_pair("turbo-3.5", master_file, accept_tqs1=False)
+    err = load(strict, old, k)
+    assert isinstance(err, seal.SealError) and "TQS1" in str(err) and "accept_tqs1" in str(err)
+    assert isinstance(load(strict, store(ser, chunk(12), k), k), torch.Tensor)  # TQS2 still opens
+
+
+def test_tqs1_value_opens_through_a_real_lmcache_fs_adapter(master_file, tmp_path):
+    """A store written in the TQS1 frame reads back through LMCache's fs adapter."""
+    from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import _object_key_to_filename
+
+    from bridge_util import Events, build_manager
+    from tq_jax.bridge import register
+
+    register()
+    events = Events()
+    base = tmp_path / "l2"
+    base.mkdir()
+    enc = {"key_provider": "hkdf", "master_key_path": str(master_file), "aes_bits": 256}
+    sm = build_manager({"type": "fs", "base_path": str(base), "serde": {"type": "tq_jax", "preset": "turbo-3.5", "encrypt": enc}}, l1_gb=0.05)
+    keys = [okey(20 + i, salt="t") for i in range(3)]
+    try:
+        lay = layout([SHAPE], [BF16])
+        objs = sm.reserve_write(keys, lay)
+        for i, k in enumerate(keys):
+            objs[k].tensor.copy_(chunk(20 + i).tensor)
+        since = events.counts()
+        sm.finish_write(keys)
+        assert events.wait_stores(len(keys), 60, since) == (len(keys), 0)
+        paths = [base / _object_key_to_filename(k) for k in keys]
+        written = [p.read_bytes() for p in paths]
+        assert all(w[:4] == b"TQS2" for w in written)
+        plains = [open_tqs2(MASTER, w, k) for w, k in zip(written, keys)]
+        paths[0].write_bytes(seal_tqs1(MASTER, plains[0], keys[0]))  # as written before TQS2
+        paths[1].write_bytes(seal_tqs1(MASTER, plains[2], keys[2]))  # a TQS1 value moved to another key
+        assert paths[0].stat().st_size == len(written[0])
+        got = {}
+        for i, k in enumerate(keys):  # one key per prefetch (a refused value fails its batch)
+            import time
+
+            deadline = time.monotonic() + 30
+            while sm.delete_l1_keys([k])[1] and time.monotonic() < deadline:
+                time.sleep(0.02)
+            from lmcache.v1.distributed.api import GroupedObjectKeys, PrefetchTaskSpec
+
+            h = sm.submit_prefetch_task(PrefetchTaskSpec(key_groups=[GroupedObjectKeys(keys=[k], object_group_id=0, layout_desc=lay)]))
+            assert sm.wait_prefetch_status(h, timeout=60)
+            res = sm.query_prefetch_status(h)
+            if res is not None and res.hit_cells[0].popcount() == 1:
+                with sm.read_prefetched_results([k]) as back:
+                    got[i] = back[0].tensor.clone()
+                sm.finish_read_prefetched([k])
+    finally:
+        sm.close()
+        events.stop()
+    assert sorted(got) == [0, 2], sorted(got)  # the moved value is a miss
+    assert torch.equal(got[0], expected(plains[0])) and torch.equal(got[2], expected(plains[2]))
+
+
+def test_every_flip_of_a_tqs2_value_is_refused(master_file):
     ser, de = serde_pair("compat-4bit", master_file)
     k = okey(10, salt="t")
     value = store(ser, chunk(10), k)
+    n = len(value)
     rng = np.random.default_rng(1)
-    for off in sorted({0, 4, 15, 16, len(value) - 1, *rng.integers(0, len(value), 30).tolist()}):
-        bad = bytearray(value)
-        bad[off] ^= 1 << int(rng.integers(8))
-        assert isinstance(load(de, bytes(bad), k), seal.SealError), off
+    regions = {"magic": range(0, 4), "salt": range(4, 16), "ciphertext": rng.integers(16, n - 16, 24).tolist(),
+               "tag": range(n - 16, n)}
+    for region, offsets in regions.items():
+        for off in offsets:
+            for bit in (0, int(rng.integers(1, 8))):
+                bad = bytearray(value)
+                bad[off] ^= 1 << bit
+                assert isinstance(load(de, bytes(bad), k), seal.SealError), (region, off, bit)
+    # Relabelled as the older frame (b"TQS2" -> b"TQS1"), it does not open either.
+    err = load(de, b"TQS1" + value[4:], k)
+    assert isinstance(err, seal.SealError) and "TQS1 frame" in str(err)
+
+
+def test_wrong_master_key_is_a_miss_with_the_hint(master_file, tmp_path):
+    ser, de = serde_pair("compat-4bit", master_file)
+    k = okey(10, salt="t")
+    value = store(ser, chunk(10), k)
     other = tmp_path / "other.key"
     other.write_bytes(bytes(32))
     _, de_other = serde_pair("compat-4bit", other)
-    assert isinstance(load(de_other, value, k), seal.SealError)
+    err = load(de_other, value, k)
+    assert isinstance(err, seal.SealError)
+    assert "does not verify under any of this serde's 1 master key(s)" in str(err)
+    assert "check that all servers read the same master key files" in str(err)
     # Unencrypted values are refused by an encrypting reader, and the other way round.
     plain_ser, plain_de = serde_pair("compat-4bit")
-    assert isinstance(load(de, store(plain_ser, chunk(10), k) + bytes(seal.OVERHEAD), k), seal.SealError)
+    err = load(de, store(plain_ser, chunk(10), k) + bytes(seal.OVERHEAD), k)
+    assert isinstance(err, seal.SealError) and "magic (TQS1 or TQS2)" in str(err)
     assert isinstance(load(plain_de, value, k), Exception)
+
+
+def test_master_key_rotation(tmp_path):
+    """Sealed under A; rotate to [B, A]: A's values still open, new ones are sealed under
+    B; then [B] alone: A's values are misses, B's open."""
+    key_a, key_b = bytes(range(100, 132)), bytes(range(200, 232))
+    a, b = tmp_path / "a.key", tmp_path / "b.key"
+    a.write_bytes(key_a)
+    b.write_bytes(key_b)
+    k1, k2, k3 = okey(30, salt="t"), okey(31, salt="t"), okey(32, salt="u")
+    ser_a, de_a = serde_pair("turbo-3.5", [a])
+    old = store(ser_a, chunk(30), k1)
+    old_v1 = seal_tqs1(key_a, open_tqs2(key_a, store(ser_a, chunk(32), k3), k3), k3)  # a TQS1 value under A
+    want_old, want_v1 = expected(open_tqs2(key_a, old, k1)), expected(open_tqs2(key_a, store(ser_a, chunk(32), k3), k3))
+
+    ser_ba, de_ba = serde_pair("turbo-3.5", [b, a])
+    assert torch.equal(load(de_ba, old, k1), want_old)  # written before the rotation: opens
+    assert torch.equal(load(de_ba, old_v1, k3), want_v1)
+    new = store(ser_ba, chunk(31), k2)
+    from cryptography.exceptions import InvalidTag
+
+    want_new = expected(open_tqs2(key_b, new, k2))  # sealed under B ...
+    with pytest.raises(InvalidTag):
+        open_tqs2(key_a, new, k2)  # ... not A
+    assert torch.equal(load(de_ba, new, k2), want_new)
+    assert isinstance(load(de_a, new, k2), seal.SealError)  # a server not yet rotated misses B's values
+
+    _, de_b = serde_pair("turbo-3.5", [b])
+    assert torch.equal(load(de_b, new, k2), want_new)
+    for value, k in ((old, k1), (old_v1, k3)):
+        err = load(de_b, value, k)
+        assert isinstance(err, seal.SealError) and "1 master key(s)" in str(err)
 
 
 def test_key_never_in_logs_errors_or_blobs(master_file, tmp_path, caplog):
     from lmcache.v1.distributed.serde.key_provider import HkdfKeyProvider
 
-    dek = HkdfKeyProvider(MASTER, 32, seal.HKDF_INFO_PREFIX).get_key("t")
-    secrets = [MASTER, dek, MASTER.hex().encode(), dek.hex().encode()]
+    deks = [HkdfKeyProvider(MASTER, 32, info).get_key("t") for info in (V1_INFO, V2_INFO)]
+    secrets = [MASTER, MASTER.hex().encode()] + [x for d in deks for x in (d, d.hex().encode())]
     with caplog.at_level(logging.DEBUG):
         proc = registry.make_serde_processor({"preset": "turbo-3.5", "encrypt": {"master_key_path": str(master_file)}})
         proc.close()
@@ -215,7 +371,7 @@ def test_key_never_in_logs_errors_or_blobs(master_file, tmp_path, caplog):
             serde_pair("turbo-3.5", short)
         errors.append(e.value)
     text = (caplog.text + " ".join(map(str, errors)) + " ".join(map(repr, errors))).encode()
-    assert "aes-256-gcm" in caplog.text  # the start-up line says it seals
+    assert "aes-256-gcm" in caplog.text and "TQS2" in caplog.text  # the start-up line says it seals
     for s in secrets:
         assert s not in text and s not in value
         assert s[:8] not in value  # not even a fragment of the key in the stored bytes
@@ -228,6 +384,23 @@ def test_encrypt_option_errors(tmp_path):
         registry.parse_options({"encrypt": {"master_key_path": "/x", "aes_bits": 192}})
     with pytest.raises(ValueError, match="unknown key"):
         registry.parse_options({"encrypt": {"master_key_path": "/x", "cipher": "aes"}})
+    with pytest.raises(ValueError, match="not both"):
+        registry.parse_options({"encrypt": {"master_key_path": "/x", "master_key_paths": ["/y"]}})
+    for bad in ([], "/x", ["/x", "/x"], ["/x", ""]):
+        with pytest.raises(ValueError, match="master_key_paths"):
+            registry.parse_options({"encrypt": {"master_key_paths": bad}})
+    with pytest.raises(ValueError, match="accept_tqs1"):
+        registry.parse_options({"encrypt": {"master_key_path": "/x", "accept_tqs1": "no"}})
     with pytest.raises(ValueError, match="cannot be read"):
         serde_pair("turbo-3.5", tmp_path / "missing.key")
-    assert registry.parse_options({"encrypt": {"master_key_path": "/x"}}).encrypt.aes_bits == 256
+    cfg = registry.parse_options({"encrypt": {"master_key_path": "/x"}}).encrypt
+    assert (cfg.aes_bits, cfg.master_key_paths, cfg.accept_tqs1) == (256, ("/x",), True)
+
+
+def test_every_master_key_file_is_checked_at_start_up(master_file, tmp_path):
+    short, missing = tmp_path / "short.key", tmp_path / "missing.key"
+    short.write_bytes(bytes(31))
+    with pytest.raises(ValueError, match=r"short\.key' holds 31 bytes, fewer than the 32"):
+        serde_pair("turbo-3.5", [master_file, short])
+    with pytest.raises(ValueError, match=r"missing\.key' cannot be read"):
+        serde_pair("turbo-3.5", [master_file, missing])

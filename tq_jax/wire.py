@@ -49,6 +49,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from tq_jax import frames
 from tq_jax.rotation import QJL_SEED_OFFSET, ROTATIONS
 
 __all__ = [
@@ -72,6 +73,7 @@ __all__ = [
     "LimitError",
     "SectionLengthError",
     "TrailingBytesError",
+    "KeyTrailerError",
     "ChecksumError",
     "VERSION_2",
     "NormCodes",
@@ -179,6 +181,32 @@ class SectionLengthError(WireError):
 
 class TrailingBytesError(WireError):
     """Bytes remain after the last section."""
+
+
+class KeyTrailerError(TrailingBytesError):
+    """The bytes are a key-bound L2 value: a blob followed by the bridge's key trailer."""
+
+
+KEY_BOUND_VALUE = (
+    "these {n:,} bytes are a key-bound L2 value, not a bare TQ01 blob: a {blob:,}-byte blob followed by "
+    "the {trailer}-byte key trailer (b'TQK1' + BLAKE2b-128 of the LMCache ObjectKey) that the bridge's "
+    "checksum presets write. Decode the blob alone (the first {blob:,} bytes); the key binding can only "
+    "be checked with the ObjectKey (tq_jax.bridge.serde.check_key_trailer)."
+)
+
+
+def _refuse_key_trailer(mv: memoryview) -> None:
+    """Raises :class:`KeyTrailerError` when ``mv`` is one blob + a key trailer (cheap: the
+    header is read only when the trailer's magic sits where a key-bound value has it)."""
+    n, t = len(mv), frames.KEY_TRAILER_BYTES
+    if n < t + len(MAGIC) or bytes(mv[n - t : n - t + len(frames.KEY_TRAILER_MAGIC)]) != frames.KEY_TRAILER_MAGIC:
+        return
+    try:
+        blob = blob_nbytes(_read_header(_Reader(mv), verify=False))
+    except WireError:
+        return  # not a blob at all: the parser's own error follows
+    if frames.ends_with_key_trailer(mv, blob):
+        raise KeyTrailerError(KEY_BOUND_VALUE.format(n=n, blob=blob, trailer=t))
 
 
 class ChecksumError(WireError):
@@ -917,7 +945,9 @@ def parse(blob) -> Parsed:
         WireError: one subclass per cause; nothing else escapes for bytes input.
         TypeError: if ``blob`` is not bytes-like at all.
     """
-    r = _Reader(_as_memoryview(blob))
+    mv = _as_memoryview(blob)
+    _refuse_key_trailer(mv)  # named, instead of a CRC mismatch or trailing bytes
+    r = _Reader(mv)
     h = _read_header(r)
     dim = h.dim
     sk = rn = None
