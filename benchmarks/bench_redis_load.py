@@ -13,19 +13,25 @@ offline): any difference counts as a wrong tensor. The baseline ``raw`` stores t
 chunk's bytes with no serde (what LMCache's RESP adapter does without one) and checks
 them the same way.
 
-Configurations: raw bytes; ``turbo-3.5``; ``turbo-3.5`` + ``encrypt`` (AES-256-GCM, a
-key per tenant: threads use two cache salts). Reported per configuration: the median
+Configurations: raw bytes; ``turbo-3.5``; ``turbo-3.5`` + ``encrypt`` in the ``TQS1`` frame
+(AES-256-GCM under the tenant key, a random nonce per value: what the serde wrote before,
+written here by :class:`TQS1Serializer`, a copy of that serializer, and opened by the
+serde's own deserializer); ``turbo-3.5`` + ``encrypt`` as the serde writes it now (the
+``TQS2`` frame: an AES-256-GCM key per value). Threads use two cache salts (tenants). Reported per configuration: the median
 over rounds of chunks/s and MB/s of KV (bf16 bytes moved, so the columns compare), p50/p99
 latency of stores and loads over all rounds, wrong tensors; and the median over rounds
-of each round's ratio of chunks/s, encrypt / plain turbo-3.5 (the two ran minutes
-apart at most, seconds apart mostly). The Redis client is redis-py (one connection per
+of each round's ratio of chunks/s, TQS2 / plain turbo-3.5 and TQS2 / TQS1 (they ran
+minutes apart at most, seconds apart mostly). The Redis client is redis-py (one connection per
 thread), not LMCache's C++ client: the serde's cost is what differs between the rows.
 
 Each round also times, on one thread with no load running, the steps of one value:
 the serde's encode (``serialize``) and decode (``deserialize``) of a chunk with
-``turbo-3.5``, and the AES-GCM seal and open of its TQ01 blob exactly as
-:mod:`tq_jax.bridge.seal` does them (the tenant's key, a fresh nonce, the ObjectKey as
-associated data): the encryption's cost stated directly.
+``turbo-3.5``, and the seal and open of its TQ01 blob: ``TQS1`` as the serde did it
+before (the tenant's key, a fresh nonce), ``TQS2`` exactly as :mod:`tq_jax.bridge.seal`
+does it now (its :class:`~tq_jax.bridge.seal.KeyRing`: HKDF-Expand of a value key, then
+AES-GCM), ``TQS2`` opened by a ring whose *second* key sealed it (during a key
+rotation), and AES-GCM-SIV (``cryptography``'s ``AESGCMSIV``, the candidate not chosen)
+with a fresh nonce under the tenant key; the ObjectKey is the associated data in each.
 
     python benchmarks/bench_redis_load.py --threads 8 --seconds 60 --rounds 6 --out benchmarks/results/redis_load.md
 """
@@ -49,9 +55,10 @@ import torch
 from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
 from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj
 
-from tq_jax.bridge import dlpack, registry
-from tq_jax.bridge.seal import NONCE_BYTES, TAG_BYTES
-from tq_jax.bridge.serde import describe_key, object_key_bytes
+from tq_jax.bridge import dlpack, registry, seal
+from tq_jax.frames import KEY_TRAILER_BYTES
+from tq_jax.bridge.seal import FIELD_BYTES, HEADER_BYTES, OVERHEAD, TAG_BYTES
+from tq_jax.bridge.serde import describe_key, object_key_bytes, write_bytes
 
 SHAPE = (2, 8, 256, 1024)  # 8 MiB of bf16 per chunk (a quarter of an 8B model's 32 layers)
 N_CONTENTS = 8  # distinct chunk contents; key i holds content i % N_CONTENTS
@@ -80,13 +87,43 @@ def start_redis() -> tuple[subprocess.Popen, int, str]:
     return p, port, d
 
 
+class TQS1Serializer:
+    """The ``TQS1`` frame as the serde wrote it before ``TQS2`` (a copy of that
+    ``SealingSerializer.serialize``: the tenant's key, a fresh random nonce per value)."""
+
+    def __init__(self, sealing: seal.SealingSerializer) -> None:
+        self.inner, self.keys = sealing.inner, sealing.keys
+
+    def estimate_serialized_size(self, layout: MemoryLayoutDesc) -> int:
+        return self.inner.estimate_serialized_size(layout) + OVERHEAD
+
+    def serialize(self, src, dst, key) -> int:
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        layout = MemoryLayoutDesc(shapes=list(src.get_shapes()), dtypes=list(src.get_dtypes()))
+        n = self.inner.estimate_serialized_size(layout)
+        plain = np.empty(n, np.uint8)
+        assert self.inner.encode_into(src, plain, key) == n
+        aead = AESGCM(self.keys.v1[0].get_key(key.cache_salt))
+        nonce = os.urandom(FIELD_BYTES)
+
+        def fill(out: np.ndarray) -> None:
+            out[:4] = np.frombuffer(seal.MAGIC_V1, np.uint8)
+            out[4:HEADER_BYTES] = np.frombuffer(nonce, np.uint8)
+            aead.encrypt_into(nonce, plain, object_key_bytes(key), out[HEADER_BYTES:])
+
+        return write_bytes(dst, n + OVERHEAD, fill, layout)
+
+
 class Config:
-    def __init__(self, name: str, serde: dict | None) -> None:
+    def __init__(self, name: str, serde: dict | None, *, tqs1: bool = False) -> None:
         self.name = name
         self.layout = MemoryLayoutDesc(shapes=[torch.Size(SHAPE)], dtypes=[torch.bfloat16])
         self.ser = self.de = None
         if serde is not None:
             self.ser, self.de = registry.build_serde(registry.parse_options(serde))
+        if tqs1:
+            self.ser = TQS1Serializer(self.ser)
         self.size = self.ser.estimate_serialized_size(self.layout) if self.ser else int(np.prod(SHAPE)) * 2
         self.want: list = []
         self.rounds: list[dict] = []
@@ -186,38 +223,71 @@ def summarize(cfg: Config) -> dict:
             "wrong": sum(r["wrong"] for r in rs), "misses": sum(r["misses"] for r in rs)}
 
 
-STEPS = ("encode (serialize)", "seal (AES-GCM)", "open (AES-GCM)", "decode (deserialize)")
+STEPS = ("encode (serialize)", "TQS1 seal (before)", "TQS1 open (before)", "TQS2 seal", "TQS2 open",
+         "TQS2 open, sealed by the ring's 2nd key", "AES-GCM-SIV seal (not chosen)", "AES-GCM-SIV open (not chosen)",
+         "decode (deserialize)")
+PAIRS = {"TQS1 (before)": (1, 2), "TQS2": (3, 4), "TQS2, 2nd key of the ring": (3, 5), "AES-GCM-SIV": (6, 7)}
 
 
-def time_steps(plain: Config, sealed: Config, content, reps: int) -> dict[str, list[float]]:
+def time_steps(plain: Config, sealed: Config, content, reps: int, master: bytes) -> dict[str, list[float]]:
     """Seconds per call of each of :data:`STEPS` on one value, ``reps`` times each,
-    interleaved; seal and open as :mod:`tq_jax.bridge.seal` does them."""
-    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    interleaved; TQS2's seal and open with :class:`~tq_jax.bridge.seal.KeyRing` as
+    :mod:`tq_jax.bridge.seal` does them."""
+    from cryptography.exceptions import InvalidTag
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM, AESGCMSIV
 
     key = ObjectKey(chunk_hash=b"step".ljust(32, b"\0"), model_name="bench", kv_rank=0, cache_salt="tenant-0")
+    ad = object_key_bytes(key)
     blob_obj, back = obj_of((plain.size,), torch.uint8), obj_of(SHAPE, torch.bfloat16)
     blob = dlpack.numpy_view(blob_obj.tensor)
-    sealed_buf = np.empty(plain.size + TAG_BYTES, np.uint8)
-    opened = np.empty(plain.size, np.uint8)
-    keys = sealed.ser.keys
+    plain.ser.serialize(content, blob_obj, key)
+    n = plain.size - (KEY_TRAILER_BYTES if plain.ser.bind_key else 0)  # the blob, without the key trailer
+    body = blob[:n]
+    bufs = {v: np.empty(n + TAG_BYTES, np.uint8) for v in ("v1", "v2", "siv")}
+    opened = np.empty(n, np.uint8)
+    ring = sealed.ser.keys
+    rotated = seal.KeyRing([os.urandom(32), master], 256)  # [a newer key, the key that sealed]
+    tenant = ring.v1[0].get_key(key.cache_salt)
+    field = {}
     out: dict[str, list[float]] = {s: [] for s in STEPS}
 
-    def seal() -> None:
-        nonce = os.urandom(NONCE_BYTES)
-        AESGCM(keys.get_key(key.cache_salt)).encrypt_into(nonce, blob, object_key_bytes(key), sealed_buf)
-        seal.nonce = nonce
+    def seal_v1() -> None:
+        field["v1"] = os.urandom(FIELD_BYTES)
+        AESGCM(ring.v1[0].get_key(key.cache_salt)).encrypt_into(field["v1"], body, ad, bufs["v1"])
 
-    def open_() -> None:
-        AESGCM(keys.get_key(key.cache_salt)).decrypt_into(seal.nonce, sealed_buf, object_key_bytes(key), opened)
+    def open_v1() -> None:
+        AESGCM(ring.v1[0].get_key(key.cache_salt)).decrypt_into(field["v1"], bufs["v1"], ad, opened)
 
-    steps = {STEPS[0]: lambda: plain.ser.serialize(content, blob_obj, key), STEPS[1]: seal,
-             STEPS[2]: open_, STEPS[3]: lambda: plain.de.deserialize(blob_obj, back, key)}
+    def seal_v2() -> None:
+        field["v2"] = os.urandom(FIELD_BYTES)
+        AESGCM(ring.seal_key(field["v2"], key)).encrypt_into(seal.V2_NONCE, body, ad, bufs["v2"])
+
+    def open_v2(r) -> None:
+        for aes_key, nonce in r.open_keys(2, field["v2"], key):  # as OpeningDeserializer does
+            try:
+                AESGCM(aes_key).decrypt_into(nonce, bufs["v2"], ad, opened)
+                return
+            except InvalidTag:
+                continue
+        raise AssertionError("the TQS2 value did not open")
+
+    def seal_siv() -> None:
+        field["siv"] = os.urandom(FIELD_BYTES)
+        AESGCMSIV(tenant).encrypt_into(field["siv"], body, ad, bufs["siv"])
+
+    def open_siv() -> None:
+        AESGCMSIV(tenant).decrypt_into(field["siv"], bufs["siv"], ad, opened)
+
+    fns = [lambda: plain.ser.serialize(content, blob_obj, key), seal_v1, open_v1, seal_v2, lambda: open_v2(ring),
+           lambda: open_v2(rotated), seal_siv, open_siv, lambda: plain.de.deserialize(blob_obj, back, key)]
     for _ in range(reps):
-        for name, fn in steps.items():
+        for name, fn in zip(STEPS, fns):
             t0 = time.perf_counter()
             fn()
             out[name].append(time.perf_counter() - t0)
-    assert np.array_equal(opened, blob), "AES-GCM open did not give back the sealed blob"
+            if " open" in name:
+                assert np.array_equal(opened, body), f"{name} did not give back the sealed blob"
+                opened[:] = 0
     return out
 
 
@@ -237,19 +307,21 @@ def main() -> None:
         contents.append(o)
     keydir = tempfile.mkdtemp(prefix="tq_jax-bench-key-")
     master = os.path.join(keydir, "master.key")
+    master_bytes = os.urandom(32)
     with open(master, "wb") as f:
-        f.write(os.urandom(32))
+        f.write(master_bytes)
+    enc = {"preset": "turbo-3.5", "encrypt": {"key_provider": "hkdf", "master_key_path": master, "aes_bits": 256}}
     configs = [
         Config("raw bytes (no serde)", None),
         Config("tq_jax turbo-3.5", {"preset": "turbo-3.5"}),
-        Config("tq_jax turbo-3.5 + encrypt (AES-256-GCM)",
-               {"preset": "turbo-3.5", "encrypt": {"key_provider": "hkdf", "master_key_path": master, "aes_bits": 256}}),
+        Config("tq_jax turbo-3.5 + encrypt, TQS1 frame (before: AES-256-GCM, tenant key, random nonces)", enc, tqs1=True),
+        Config("tq_jax turbo-3.5 + encrypt, TQS2 frame (now: AES-256-GCM, a key per value)", enc),
     ]
     for cfg in configs:
         cfg.prepare(contents)
     per = args.seconds / args.rounds
     steps: dict[str, list[float]] = {st: [] for st in STEPS}
-    ratios = []
+    ratios, ratios_v1 = [], []
     proc, port, d = start_redis()
     try:
         import redis
@@ -262,8 +334,9 @@ def main() -> None:
                 redis.Redis(host="127.0.0.1", port=port).flushall()
                 print(f"round {rnd + 1}/{args.rounds} {cfg.name}: {r['chunks_s']:.1f} chunks/s, "
                       f"{r['wrong']} wrong, {r['misses']} misses", flush=True)
-            ratios.append(configs[2].rounds[-1]["chunks_s"] / configs[1].rounds[-1]["chunks_s"])
-            for st, xs in time_steps(configs[1], configs[2], contents[rnd % N_CONTENTS], args.step_reps).items():
+            ratios.append(configs[3].rounds[-1]["chunks_s"] / configs[1].rounds[-1]["chunks_s"])
+            ratios_v1.append(configs[3].rounds[-1]["chunks_s"] / configs[2].rounds[-1]["chunks_s"])
+            for st, xs in time_steps(configs[1], configs[3], contents[rnd % N_CONTENTS], args.step_reps, master_bytes).items():
                 steps[st] += xs
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -296,21 +369,30 @@ def main() -> None:
         lines.append(f"| {r['name']} | {r['value_bytes']:,} | {r['chunks_s']:.1f} ({r['chunks_s_lo']:.1f}-{r['chunks_s_hi']:.1f}) | "
                      f"{r['mb_s']:.0f} | {r['store_p50']:.1f} / {r['store_p99']:.1f} | {r['load_p50']:.1f} / {r['load_p99']:.1f} | "
                      f"{r['pairs']:,} | {r['wrong']} | {r['misses']} |")
-    base, enc = rows[1], rows[2]
-    lines += ["", "Per-round ratio of chunks/s, encrypt / plain turbo-3.5: "
-              + ", ".join(f"{x:.3f}" for x in ratios) + f"; median **{float(np.median(ratios)):.3f}**. "
-              f"Value size: turbo-3.5 {base['value_bytes'] / rows[0]['value_bytes']:.1%} of raw, "
-              f"+{enc['value_bytes'] - base['value_bytes']} bytes sealed.", "",
+    base, v1, v2 = rows[1], rows[2], rows[3]
+    med = lambda xs: float(np.median(xs))  # noqa: E731
+    lines += ["", "Per-round ratio of chunks/s, TQS2 / plain turbo-3.5: " + ", ".join(f"{x:.3f}" for x in ratios)
+              + f"; median **{med(ratios):.3f}**. TQS2 / TQS1: " + ", ".join(f"{x:.3f}" for x in ratios_v1)
+              + f"; median **{med(ratios_v1):.3f}**. "
+              f"Value size: turbo-3.5 {base['value_bytes'] / rows[0]['value_bytes']:.1%} of raw; sealed "
+              f"{v1['value_bytes']:,} bytes in both frames ({v2['value_bytes'] - base['value_bytes']:+} against the "
+              f"key-bound value).", "",
               f"One value's steps, one thread, no load running ({len(steps[STEPS[0]])} calls each, interleaved "
-              f"across the rounds; MB/s over the {base['value_bytes']:,}-byte TQ01 blob and over the "
+              f"across the rounds; MB/s over the {base['value_bytes'] - KEY_TRAILER_BYTES:,}-byte TQ01 blob and over the "
               f"{kv_bytes:,} bytes of KV it holds):", "",
               "| step | ms per value (median) | MB/s of the blob | MB/s of KV |", "|---|---:|---:|---:|"]
-    med = {st: float(np.median(xs)) for st, xs in steps.items()}
+    m = {st: med(xs) for st, xs in steps.items()}
+    blob_bytes = base["value_bytes"] - KEY_TRAILER_BYTES
     for st in STEPS:
-        lines.append(f"| {st} | {1e3 * med[st]:.2f} | {base['value_bytes'] / med[st] / 1e6:.0f} | {kv_bytes / med[st] / 1e6:.0f} |")
-    seal_ms, codec_ms = 1e3 * (med[STEPS[1]] + med[STEPS[2]]), 1e3 * (med[STEPS[0]] + med[STEPS[3]])
-    lines += ["", f"Seal + open: {seal_ms:.2f} ms per value, {seal_ms / codec_ms:.1%} of encode + decode "
-              f"({codec_ms:.1f} ms)."]
+        lines.append(f"| {st} | {1e3 * m[st]:.2f} | {blob_bytes / m[st] / 1e6:.0f} | {kv_bytes / m[st] / 1e6:.0f} |")
+    codec_ms = 1e3 * (m[STEPS[0]] + m[STEPS[-1]])
+    v1_ms = 1e3 * (m[STEPS[1]] + m[STEPS[2]])
+    lines += ["", "Seal + open per value (medians of the steps above):", "",
+              "| frame | seal + open ms | vs TQS1 | share of encode + decode |", "|---|---:|---:|---:|"]
+    for name, (a, b) in PAIRS.items():
+        ms = 1e3 * (m[STEPS[a]] + m[STEPS[b]])
+        lines.append(f"| {name} | {ms:.2f} | {ms / v1_ms:.2f}x | {ms / codec_ms:.1%} |")
+    lines += ["", f"Encode + decode of the same value: {codec_ms:.1f} ms."]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
