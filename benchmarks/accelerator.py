@@ -5,7 +5,8 @@ decode attention and a SmolLM2-shaped model's decode speed, in one table.
     python -m benchmarks.accelerator --compile-check   # ~1 min: compile + run the GPU kernel once per config
     python -m benchmarks.accelerator --cpu-smoke       # tiny sizes, interpreted Pallas, < 1 min (a CI test)
 
-Options: ``--out DIR`` (default benchmarks/results/), ``--commit HASH`` (recorded in the
+Options: ``--out DIR`` (default ``tq-jax-results/`` under the current directory, so a run
+never overwrites the committed ``benchmarks/results/``; name that to refresh them), ``--commit HASH`` (recorded in the
 result file; default ``git rev-parse HEAD`` when the tree is a git checkout),
 ``--steps 1,2,3,4``, ``--keep-going`` (do not stop on a failed correctness check).
 Writes ``<out>/accelerator_<device>.md``: the command, the commit, jax, the device and
@@ -482,7 +483,9 @@ def render(table: list) -> list:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--out", type=Path, default=Path("tq-jax-results"),
+                    help="directory of the result file (default: %(default)s, under the current directory; "
+                         "--out benchmarks/results refreshes the committed results)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU, interpreted Pallas (a CI test)")
     ap.add_argument("--compile-check", action="store_true", help="only compile + check the GPU kernel per config")
     ap.add_argument("--steps", default="1,2,3,4")

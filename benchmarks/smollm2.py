@@ -7,8 +7,9 @@ package ``examples/smollm2`` (docs/serving-smollm2.md). Run from the repository 
     python -m benchmarks.smollm2 passkey --cache tq:4/4 --cache tq:turbo-3.5
     python -m benchmarks.smollm2 speed --cache tq:4/4
 
-(the same as ``python -m examples.smollm2 ...``). Each writes a markdown report under
-benchmarks/results/ recording the commit and the command; ``--out -`` prints it only.
+(the same as ``python -m examples.smollm2 ...``). Each writes a markdown report recording
+the commit and the command under ``tq-jax-results/`` in the current directory; ``--out -``
+prints it only, and ``--out benchmarks/results/<file>.md`` refreshes a committed result.
 """
 
 from examples.smollm2.cli import main

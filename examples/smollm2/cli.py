@@ -11,8 +11,11 @@ see :func:`examples.smollm2.caches.parse_spec`); ``--window``/``--sinks`` fill i
 ``tq`` spec does not set itself, ``--windows 0,64,128`` runs each ``tq`` spec once per
 window and ``--rotation-seeds 1,2,3`` once per rotation seed (the passkey report then adds
 each setting's mean over its seeds: one seed's cell is one draw). Each subcommand writes a
-markdown report (``--out``, or ``-`` to print only) that records the commit and the command. Run from the repository root; see
-docs/serving-smollm2.md for the protocols and run times.
+markdown report that records the commit and the command: by default under ``tq-jax-results/``
+in the current directory (never the committed ``benchmarks/results/``: those files are
+refreshed only by naming them, ``--out benchmarks/results/...``), or ``--out -`` to print
+only. Run from the repository root; see docs/serving-smollm2.md for the protocols and
+run times.
 """
 
 from __future__ import annotations
@@ -38,7 +41,9 @@ from . import quality as _quality
 from .model import forward, load_smollm2, smollm2_path
 
 CHAT_PROMPT = "Explain in a few sentences what a key-value cache does in a transformer language model."
-RESULTS = Path("benchmarks/results")
+# Where a report goes without --out: a working directory under the current one, so a run
+# never overwrites the committed results in benchmarks/results/ unless --out names them.
+WORKDIR = Path("tq-jax-results")
 
 
 def _int_list(text: str) -> list[int]:
@@ -392,7 +397,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--windows", type=_int_list, help="run every tq spec once per window, e.g. 0,16,32,64,128,256")
         p.add_argument("--rotation-seeds", type=_int_list, help="run every tq spec that sets no seed once per rotation "
                        "seed, e.g. 1,2,3,4,5 (passkey adds each setting's mean over them)")
-        p.add_argument("--out", default=str(RESULTS / default_out), help="markdown report, or - to print only (default: %(default)s)")
+        p.add_argument("--out", default=str(WORKDIR / default_out), help="markdown report, or - to print only (default: "
+                       "%(default)s, under the current directory; name benchmarks/results/... to refresh a committed result)")
         p.set_defaults(default_caches=default_caches)
 
     q = sub.add_parser("quality", help="in-loop ΔPPL and KL vs the bf16 cache")
