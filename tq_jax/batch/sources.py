@@ -23,7 +23,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from tq_jax import frames
 from tq_jax import safetensors_io as st
+from tq_jax import wire
 from tq_jax.batch.errors import BatchError
 from tq_jax.wire import MAGIC
 
@@ -266,12 +268,37 @@ BARE_BLOB = (
 )
 
 
+KEY_BOUND_VALUE = (
+    "{path}: this is a key-bound L2 value (a {blob:,}-byte TQ01 blob and the 20-byte TQK1 key trailer, as the "
+    "tq_jax LMCache serde stores it with a checksum preset), not a tensor file: compress/decompress read and write "
+    "safetensors/.npy/.npz files. Decode its blob in Python with tq_jax.loads(open({path!r}, 'rb').read()[:{blob}]) "
+    "(the key binding is not verified: that needs the ObjectKey), or run `tq-jax inspect {path}` to see its header."
+)
+SEALED_VALUE = (
+    "{path}: this is a sealed L2 value ({magic}: encrypted per tenant by the tq_jax LMCache serde's `encrypt` "
+    "option), not a tensor file: nothing in it can be read without the master key. Load it through the serde with "
+    "the same `encrypt` block; `tq-jax inspect {path}` shows its frame and size."
+)
+
+
 def _refuse_bare_blob(path: str) -> None:
     """A file starting with the TQ01 magic is a blob, not safetensors: say so (its first
-    8 bytes would otherwise read as an absurd safetensors header length)."""
+    8 bytes would otherwise read as an absurd safetensors header length). A key-bound
+    L2 value (blob + key trailer) and a sealed one (TQS1/TQS2) are named as such."""
     with open(path, "rb") as f:
-        if f.read(len(MAGIC)) == MAGIC:
-            raise BatchError(BARE_BLOB.format(path=path))
+        head = f.read(frames.SEAL_OVERHEAD)
+    if frames.sealed_version(head) is not None:
+        raise BatchError(SEALED_VALUE.format(path=path, magic=head[:4].decode()))
+    if head[: len(MAGIC)] != MAGIC:
+        return
+    mm = np.memmap(path, np.uint8, mode="r")
+    try:
+        n = wire.blob_nbytes(wire.peek_header(mm))
+    except wire.WireError:
+        n = -1
+    if n >= 0 and frames.ends_with_key_trailer(mm, n):
+        raise BatchError(KEY_BOUND_VALUE.format(path=path, blob=n))
+    raise BatchError(BARE_BLOB.format(path=path))
 
 
 def open_source(path) -> Source:
