@@ -5,7 +5,7 @@ Modules:
     :mod:`~tq_jax.bridge.serde`: LMCache v1 ``Serializer`` / ``Deserializer`` emitting TQ01.
     :mod:`~tq_jax.bridge.device`: the ``device`` option -> a JAX device.
     :mod:`~tq_jax.bridge.schema`: the serde option table (generated from ``tq_jax.Options``).
-    :mod:`~tq_jax.bridge.seal`: AES-GCM per tenant around the serde's values (``encrypt``).
+    :mod:`~tq_jax.bridge.seal`: AES-GCM under a key per tenant and value around the serde's values (``encrypt``).
     :mod:`~tq_jax.bridge.registry`: builds the serde from a config, ``register``.
     :mod:`~tq_jax.bridge.reconnect`: the ``resp_reconnect`` L2 adapter (RESP that reconnects).
     :mod:`~tq_jax.bridge.launch`: ``python -m tq_jax.bridge.launch server ...``.

@@ -232,29 +232,70 @@ def test_tqs1_values_still_open_and_can_be_refused(master_file):
     assert isinstance(load(strict, store(ser, chunk(12), k), k), torch.Tensor)  # TQS2 still opens
 
 
+class FsCache:
+    """A real StorageManager over LMCache's fs adapter with the tq_jax serde of ``serde``."""
+
+    def __init__(self, base, serde: dict) -> None:
+        from bridge_util import Events, build_manager
+        from tq_jax.bridge import register
+
+        register()
+        self.base, self.events = base, Events()
+        self.sm = build_manager({"type": "fs", "base_path": str(base), "serde": {"type": "tq_jax", **serde}}, l1_gb=0.05)
+        self.lay = layout([SHAPE], [BF16])
+
+    def path(self, k):
+        from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import _object_key_to_filename
+
+        return self.base / _object_key_to_filename(k)
+
+    def store(self, keys, seeds) -> None:
+        """Writes the chunks to L1, waits for their L2 stores, then drops them from L1."""
+        import time
+
+        objs = self.sm.reserve_write(keys, self.lay)
+        for k, sd in zip(keys, seeds):
+            objs[k].tensor.copy_(chunk(sd).tensor)
+        since = self.events.counts()
+        self.sm.finish_write(keys)
+        assert self.events.wait_stores(len(keys), 60, since) == (len(keys), 0)
+        deadline = time.monotonic() + 30
+        while self.sm.delete_l1_keys(keys)[1] and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    def prefetch(self, keys) -> dict:
+        """One prefetch of ``keys``: {index: chunk} of the hits (a miss is not readable in L1)."""
+        from lmcache.v1.distributed.api import GroupedObjectKeys, PrefetchTaskSpec
+
+        h = self.sm.submit_prefetch_task(PrefetchTaskSpec(key_groups=[GroupedObjectKeys(keys=keys, object_group_id=0, layout_desc=self.lay)]))
+        assert self.sm.wait_prefetch_status(h, timeout=60)
+        res = self.sm.query_prefetch_status(h)
+        hits = [] if res is None or not res.hit_cells else res.hit_cells[0].get_indices_list()
+        got = {}
+        if hits:
+            with self.sm.read_prefetched_results([keys[i] for i in hits]) as back:
+                got = {i: o.tensor.clone() for i, o in zip(hits, back)}
+            self.sm.finish_read_prefetched([keys[i] for i in hits])
+            self.sm.delete_l1_keys([keys[i] for i in hits])
+        for i, k in enumerate(keys):
+            if i not in got:
+                with self.sm.read_prefetched_results([k]) as back:
+                    assert back is None, f"key {i} missed but is readable in L1"
+        return got
+
+    def close(self) -> None:
+        self.sm.close()
+        self.events.stop()
+
+
 def test_tqs1_value_opens_through_a_real_lmcache_fs_adapter(master_file, tmp_path):
     """A store written in the TQS1 frame reads back through LMCache's fs adapter."""
-    from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import _object_key_to_filename
-
-    from bridge_util import Events, build_manager
-    from tq_jax.bridge import register
-
-    register()
-    events = Events()
-    base = tmp_path / "l2"
-    base.mkdir()
     enc = {"key_provider": "hkdf", "master_key_path": str(master_file), "aes_bits": 256}
-    sm = build_manager({"type": "fs", "base_path": str(base), "serde": {"type": "tq_jax", "preset": "turbo-3.5", "encrypt": enc}}, l1_gb=0.05)
+    cache = FsCache(tmp_path, {"preset": "turbo-3.5", "encrypt": enc})
     keys = [okey(20 + i, salt="t") for i in range(3)]
     try:
-        lay = layout([SHAPE], [BF16])
-        objs = sm.reserve_write(keys, lay)
-        for i, k in enumerate(keys):
-            objs[k].tensor.copy_(chunk(20 + i).tensor)
-        since = events.counts()
-        sm.finish_write(keys)
-        assert events.wait_stores(len(keys), 60, since) == (len(keys), 0)
-        paths = [base / _object_key_to_filename(k) for k in keys]
+        cache.store(keys, [20, 21, 22])
+        paths = [cache.path(k) for k in keys]
         written = [p.read_bytes() for p in paths]
         assert all(w[:4] == b"TQS2" for w in written)
         plains = [open_tqs2(MASTER, w, k) for w, k in zip(written, keys)]
@@ -263,25 +304,48 @@ def test_tqs1_value_opens_through_a_real_lmcache_fs_adapter(master_file, tmp_pat
         assert paths[0].stat().st_size == len(written[0])
         got = {}
         for i, k in enumerate(keys):  # one key per prefetch (a refused value fails its batch)
-            import time
-
-            deadline = time.monotonic() + 30
-            while sm.delete_l1_keys([k])[1] and time.monotonic() < deadline:
-                time.sleep(0.02)
-            from lmcache.v1.distributed.api import GroupedObjectKeys, PrefetchTaskSpec
-
-            h = sm.submit_prefetch_task(PrefetchTaskSpec(key_groups=[GroupedObjectKeys(keys=[k], object_group_id=0, layout_desc=lay)]))
-            assert sm.wait_prefetch_status(h, timeout=60)
-            res = sm.query_prefetch_status(h)
-            if res is not None and res.hit_cells[0].popcount() == 1:
-                with sm.read_prefetched_results([k]) as back:
-                    got[i] = back[0].tensor.clone()
-                sm.finish_read_prefetched([k])
+            got.update({i: t for t in cache.prefetch([k]).values()})
     finally:
-        sm.close()
-        events.stop()
+        cache.close()
     assert sorted(got) == [0, 2], sorted(got)  # the moved value is a miss
     assert torch.equal(got[0], expected(plains[0])) and torch.equal(got[2], expected(plains[2]))
+
+
+def test_lmcache_fails_a_whole_load_batch_on_one_refused_value(tmp_path):
+    """LMCache 0.5.6 (docs/hardening.md): two values swapped between keys make the whole
+    four-key prefetch miss, not only those two; nothing is served. Prefetched one key at a
+    time, the two good chunks load. Pins LMCache's behaviour: a serde cannot refuse one
+    value of a batch (AsyncSerdeProcessor reports one bool per task)."""
+    wrapper_log = logging.getLogger("lmcache.v1.distributed.l2_adapters.serde_wrapper")
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    keep = Keep(logging.WARNING)
+    wrapper_log.addHandler(keep)
+    cache = FsCache(tmp_path, {"preset": "turbo-3.5"})
+    keys = [okey(40 + i, salt="t") for i in range(4)]
+    try:
+        cache.store(keys, [40, 41, 42, 43])
+        paths = [cache.path(k) for k in keys]
+        values = [p.read_bytes() for p in paths]
+        paths[1].write_bytes(values[3])
+        paths[3].write_bytes(values[1])
+        batch = cache.prefetch(keys)
+        single = {}
+        for i, k in enumerate(keys):
+            single.update({i: t for t in cache.prefetch([k]).values()})
+    finally:
+        cache.close()
+        wrapper_log.removeHandler(keep)
+    assert batch == {}  # all four miss
+    assert any("deserialize failed" in ln and "reporting all keys as failed" in ln for ln in lines), lines
+    assert sorted(single) == [0, 2]
+    size = len(values[0]) - S.KEY_TRAILER_BYTES
+    for i in (0, 2):
+        assert torch.equal(single[i], expected(values[i][:size]))
 
 
 def test_every_flip_of_a_tqs2_value_is_refused(master_file):
