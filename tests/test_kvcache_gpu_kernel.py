@@ -145,3 +145,37 @@ def test_auto_impl_is_the_gpu_kernel_on_a_gpu_when_head_dim_tiles(monkeypatch):
     assert attention.resolve_impl(odd, "auto") == "xla"
     assert attention.resolve_impl(tiles, "pallas") == "pallas_gpu"
     assert attention.resolve_impl(tiles, "xla") == "xla"
+
+
+def test_auto_falls_back_to_xla_with_one_warning_on_a_gpu_without_triton(monkeypatch):
+    """A jax without Pallas's Triton backend (jax 0.11 deprecated it), simulated on CPU:
+    the backend reads as a GPU and the module cannot be imported."""
+    import sys
+
+    import jax.experimental.pallas as pallas_pkg
+
+    from tq_jax.kvcache import attention
+
+    rng = np.random.default_rng(4)
+    cache = kvcache.init(3, 48, H, D, key_bits=4, value_bits=4, rotation="haar", seed=11, dtype=jnp.float32,
+                         block_tokens=16, window=8, sinks=2)
+    cache, _, _ = fill(cache, rng, first=[16, 11, 16], second=[16, 16, 9])
+    q = rng.standard_normal((3, 1, H * 2, D)).astype(np.float32)
+    ref = np.asarray(kvcache.attend(cache, q, impl="xla"))
+    assert pallas_gpu.available()  # this jax has it
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.delattr(pallas_pkg, "triton", raising=False)
+    monkeypatch.setitem(sys.modules, "jax.experimental.pallas.triton", None)  # the import now fails
+    monkeypatch.setattr(attention, "_warned", set())
+    assert not pallas_gpu.available()
+    with pytest.warns(RuntimeWarning, match="runs the XLA loop on this GPU: jax .* has no Pallas Triton backend") as rec:
+        assert attention.resolve_impl(cache, "auto") == "xla"
+        out = np.asarray(kvcache.attend(cache, q))  # impl="auto"
+        np.asarray(kvcache.attend(cache, q, tuning=pallas_gpu.BF16_TUNING))  # a tuning is ignored by the fallback
+    assert len(rec) == 1  # once per process, not per call
+    np.testing.assert_array_equal(out, ref)
+    with pytest.raises(RuntimeError, match="impl='pallas_gpu' needs Pallas's Triton backend .* use impl='xla'"):
+        kvcache.attend(cache, q, impl="pallas_gpu")
+    with pytest.raises(RuntimeError, match="needs Pallas's Triton backend"):
+        pallas_gpu.compiler_params(4, 2)

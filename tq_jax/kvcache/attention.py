@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING
 
 import jax
@@ -15,31 +16,53 @@ from tq_jax.kvcache.state import KVCache
 if TYPE_CHECKING:  # annotations only; jaxtyping is not a runtime dependency
     from jaxtyping import Array, Float
 
+    from tq_jax.kvcache.pallas_gpu import Tuning
+
 __all__ = ["attend", "IMPLS", "resolve_impl"]
 
 IMPLS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu")
+
+NO_TRITON_FALLBACK = (
+    "kvcache.attend(impl='auto') runs the XLA loop on this GPU: jax {version} has no Pallas Triton backend "
+    "(jax.experimental.pallas.triton), which the GPU kernel needs. The XLA loop is correct but about 13x "
+    "slower there (docs/accelerator.md); pin a jax with the Triton backend for the kernel."
+)
+_warned = set()  # the fallbacks already warned about, once per process
+
+
+def _triton_available() -> bool:
+    from tq_jax.kvcache import pallas_gpu  # Pallas loads only on a GPU
+
+    return pallas_gpu.available()
 
 
 def resolve_impl(cache: KVCache, impl: str) -> str:
     """The kernel ``impl`` names for this cache on JAX's default backend: ``"auto"`` is
     the GPU kernel on a GPU (measured faster than the XLA loop there:
-    benchmarks/results/accelerator_nvidia_h200.md) when ``head_dim`` tiles for Triton,
-    else the XLA loop; ``"pallas"`` is the backend's Pallas kernel."""
+    benchmarks/results/accelerator_nvidia_h200.md) when ``head_dim`` tiles for Triton
+    and this jax has Pallas's Triton backend, else the XLA loop (a GPU without the
+    backend warns once); ``"pallas"`` is the backend's Pallas kernel."""
     backend = jax.default_backend()
     if impl == "auto":
-        return "pallas_gpu" if backend == "gpu" and _scoring.lanes_tile(cache.config) else "xla"
+        if backend != "gpu" or not _scoring.lanes_tile(cache.config):
+            return "xla"
+        if not _triton_available():
+            if "no-triton" not in _warned:
+                _warned.add("no-triton")
+                warnings.warn(NO_TRITON_FALLBACK.format(version=jax.__version__), RuntimeWarning, stacklevel=3)
+            return "xla"
+        return "pallas_gpu"
     if impl == "pallas":
         return "pallas_gpu" if backend == "gpu" else "pallas_tpu"
     return impl
 
 
-def _attend_impl(cache: KVCache, q, impl: str = "xla"):
+def _attend_impl(cache: KVCache, q, impl: str = "xla", tuning=None, interpret: bool = False):
     query = _scoring.query(cache, q)
-    interpret = jax.default_backend() == "cpu"  # the Pallas interpreter: correct, slow, for tests
     if impl == "pallas_gpu":
         from tq_jax.kvcache import pallas_gpu  # Pallas loads only when asked for
 
-        m, l, acc = pallas_gpu.partial(cache, query, interpret=interpret)
+        m, l, acc = pallas_gpu.partial(cache, query, interpret=interpret, tuning=tuning or pallas_gpu.DEFAULT_TUNING)
     elif impl == "pallas_tpu":
         from tq_jax.kvcache import pallas_tpu
 
@@ -49,10 +72,12 @@ def _attend_impl(cache: KVCache, q, impl: str = "xla"):
     return _exact.finish(cache, q, query, m, l, acc)
 
 
-_attend_jit = jax.jit(_attend_impl, static_argnames="impl")
+_attend_jit = jax.jit(_attend_impl, static_argnames=("impl", "tuning", "interpret"))
 
 
-def attend(cache: KVCache, q, *, impl: str = "auto") -> "Float[Array, 'batch q_len q_heads head_dim']":
+def attend(
+    cache: KVCache, q, *, impl: str = "auto", tuning: "Tuning | None" = None
+) -> "Float[Array, 'batch q_len q_heads head_dim']":
     """Causal attention of ``q`` over the cache, computed on the codes.
 
     Query ``i`` of sequence ``b`` sits at position ``lengths[b] - q_len + i`` (the
@@ -82,12 +107,19 @@ def attend(cache: KVCache, q, *, impl: str = "auto") -> "Float[Array, 'batch q_l
             ``tq_jax.kvcache.pallas_tpu``) or ``"pallas"`` (the GPU kernel on a GPU, the TPU
             one elsewhere). On CPU the Pallas kernels run in the Pallas interpreter
             (correct but slow). docs/accelerator.md says which runs where and why.
+        tuning: the GPU kernel's static knobs (:class:`tq_jax.kvcache.pallas_gpu.Tuning`),
+            used when the kernel runs (``impl`` ``"pallas_gpu"``, or ``"auto"``/``"pallas"``
+            resolving to it); None is its default, the float32-level ``mode="exact"``.
+            ``pallas_gpu.BF16_TUNING`` (``mode="bf16"``) has dense bf16 attention's
+            accuracy instead. Refused with an ``impl`` that can never run the GPU kernel.
 
     Returns:
         ``[batch, q_len, q_heads, head_dim]`` in ``q``'s dtype.
 
     Raises:
-        ValueError: a shape that does not fit the cache, or an unknown ``impl``.
+        ValueError: a shape that does not fit the cache, an unknown ``impl``, or a
+            ``tuning`` with an ``impl`` other than the GPU kernel's.
+        RuntimeError: ``impl="pallas_gpu"`` on a GPU whose jax has no Pallas Triton backend.
     """
     cfg = cache.config
     if impl not in IMPLS:
@@ -113,7 +145,19 @@ def attend(cache: KVCache, q, *, impl: str = "auto") -> "Float[Array, 'batch q_l
         )
     if not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"`q` must be floating, got {q.dtype}.")
-    return _attend_jit(cache, q, impl=resolve_impl(cache, impl))
+    if tuning is not None and impl in ("xla", "pallas_tpu"):
+        raise ValueError(
+            f"`tuning` is the GPU kernel's (impl='pallas_gpu'), got it with impl={impl!r}, which never runs that "
+            "kernel: drop `tuning`, or use impl='pallas_gpu' or 'auto'."
+        )
+    resolved = resolve_impl(cache, impl)
+    interpret = jax.default_backend() == "cpu"  # the Pallas interpreter: correct, slow, for tests
+    if resolved == "pallas_gpu" and not interpret:
+        from tq_jax.kvcache import pallas_gpu
+
+        if not pallas_gpu.available():
+            raise RuntimeError(pallas_gpu.NO_TRITON.format(version=jax.__version__))
+    return _attend_jit(cache, q, impl=resolved, tuning=tuning if resolved == "pallas_gpu" else None, interpret=interpret)
 
 
 # --------------------------------------------------------------------------- export / load

@@ -25,6 +25,17 @@ norms applied after the dot, masked to the coded part and causally, online softm
 values are accumulated per lane in the rotated domain. No float tensor of a block ever
 leaves the registers.
 
+Two modes (``Tuning.mode``). ``"exact"`` (the default) runs at about float32 accuracy:
+float32 centroids, queries and probabilities, each dot as ``Tuning.dot`` (``bf16x3``: three
+bf16 tensor-core passes). ``"bf16"`` runs at dense bf16 attention's accuracy: the block's
+codes are looked up straight into bf16 keys and values (the 2**bits-entry table held in
+bf16), the probabilities (times the value norms) are rounded to bf16, and each dot is one
+bf16 pass accumulating in float32 — except that the rotated query enters as two bf16 terms
+(hi + lo), since dense attention reads the model's query as given while ``R q / sqrt(d)``
+is float32: one extra pass on the keys (on the worst case measured both ways it took the
+relative RMS error from 1.40x to 1.23x that of ``jax.nn.dot_product_attention`` in bf16;
+tests/test_kvcache_gpu_bf16.py holds it to 1.5x, docs/accelerator.md has every case). Its default block is 128 tokens, not 64.
+
 What the kernel computes is only the *coded* part of attention: token ``t`` of sequence
 ``b`` counts iff ``t < hi[b]`` and (``t < sink_lo[b]`` or ``t >= sinks``) and ``t <=
 last[b, r]``. It returns the online-softmax state ``(m, l, acc)`` (running max, sum, and
@@ -50,10 +61,13 @@ from tq_jax.kvcache import exact as _exact
 from tq_jax.kvcache import scoring as _scoring
 from tq_jax.kvcache.state import KVCache
 
-__all__ = ["attend", "partial", "Tuning", "DEFAULT_TUNING", "LOOKUPS", "DOTS"]
+__all__ = ["attend", "partial", "Tuning", "DEFAULT_TUNING", "BF16_TUNING", "MODES", "LOOKUPS", "DOTS", "available",
+           "compiler_params"]
 
+MODES = ("exact", "bf16")
 LOOKUPS = ("select", "gather")
 DOTS = ("bf16x3", "tf32x3", "ieee")
+DEFAULT_BLOCK = {"exact": 64, "bf16": 128}  # tokens per loop step when ``Tuning.block`` is None
 MIN_DOT = 16  # Triton's smallest dot dimension
 ROW_TILE = 64  # query rows per program at most (a decode step has group * q_len of them)
 TARGET_PROGRAMS = 1024  # splits fill about this many programs (a few waves on a ~100-SM GPU)
@@ -61,10 +75,21 @@ TARGET_PROGRAMS = 1024  # splits fill about this many programs (a few waves on a
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-    """Static knobs of the kernel (hashable; pass as ``tuning=`` to :func:`partial`).
+    """Static knobs of the kernel (hashable; pass as ``tuning=`` to :func:`partial` or
+    :func:`tq_jax.kvcache.attend`).
 
     Attributes:
-        block: tokens per loop step (a power of two >= 16).
+        mode: ``"exact"`` (the default) scores and accumulates at about float32 accuracy:
+            float32 centroids, float32 queries and probabilities, each dot run as
+            ``dot``. ``"bf16"`` is dense bf16 attention's accuracy: a block's codes are
+            looked up straight into bf16 keys and values (the 2**bits-entry table in bf16),
+            the rotated query and the probabilities are rounded to bf16, and each dot is
+            one bf16 tensor-core pass accumulating in float32 (``dot`` does not apply).
+            Its error against float64 attention is held to at most 1.5x that of
+            ``jax.nn.dot_product_attention`` over the same decoded K/V in bf16
+            (tests/test_kvcache_gpu_bf16.py).
+        block: tokens per loop step (a power of two >= 16; None: ``DEFAULT_BLOCK[mode]``,
+            64 exact, 128 bf16).
         splits: ranges per sequence, one program each (None: about ``TARGET_PROGRAMS``
             programs in all, at most one range per block).
         lookup: ``"gather"`` (loads from the 2**bits-entry table, L1-resident; the
@@ -77,7 +102,8 @@ class Tuning:
         num_warps, num_stages: Triton's.
     """
 
-    block: int = 64
+    mode: str = "exact"
+    block: int | None = None
     splits: int | None = None
     lookup: str = "gather"
     dot: str = "bf16x3"
@@ -85,7 +111,13 @@ class Tuning:
     num_stages: int = 2
 
     def __post_init__(self):
-        if not isinstance(self.block, int) or self.block < MIN_DOT or self.block & (self.block - 1):
+        if self.mode not in MODES:
+            raise ValueError(
+                f"`mode` must be one of {MODES}, got {self.mode!r}: float32-level accuracy, or dense bf16 attention's."
+            )
+        if self.block is not None and (
+            not isinstance(self.block, int) or self.block < MIN_DOT or self.block & (self.block - 1)
+        ):
             raise ValueError(
                 f"`block` must be a power of two >= {MIN_DOT}, got {self.block!r}: Triton tiles are powers of two."
             )
@@ -97,24 +129,53 @@ class Tuning:
             raise ValueError(f"`dot` must be one of {DOTS}, got {self.dot!r}.")
 
 
+    @property
+    def block_tokens(self) -> int:
+        """The block actually used: ``block``, or the mode's default."""
+        return self.block if self.block is not None else DEFAULT_BLOCK[self.mode]
+
+
 DEFAULT_TUNING = Tuning()
+BF16_TUNING = Tuning(mode="bf16")
 
 
 def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+NO_TRITON = (
+    "impl='pallas_gpu' needs Pallas's Triton backend (jax.experimental.pallas.triton), which this jax {version} "
+    "does not have (jax 0.11 deprecated it): use impl='xla', or impl='auto', which falls back to it."
+)
+
+
+def _triton():
+    """The ``jax.experimental.pallas.triton`` module, or None when this jax lacks it."""
+    try:
+        from jax.experimental.pallas import triton as pltriton
+    except ImportError:
+        return None
+    cls = getattr(pltriton, "CompilerParams", None) or getattr(pltriton, "TritonCompilerParams", None)
+    return pltriton if cls is not None else None
+
+
+def available() -> bool:
+    """Whether this jax has the Pallas Triton backend the compiled kernel needs (the
+    interpreter, on CPU, does not need it)."""
+    return _triton() is not None
+
+
 def compiler_params(num_warps: int, num_stages: int):
     """Triton compiler parameters under whichever name this jax version uses
     (``CompilerParams`` since jax 0.6, ``TritonCompilerParams`` before). Passing them is
-    also what selects the Triton lowering over Mosaic GPU, the default GPU backend."""
-    try:
-        from jax.experimental.pallas import triton as pltriton
-    except ImportError as e:  # pragma: no cover - a jax without the Triton backend
-        raise RuntimeError(
-            "impl='pallas_gpu' needs Pallas's Triton backend (jax.experimental.pallas.triton), "
-            f"which this jax {jax.__version__} does not have: use impl='xla'."
-        ) from e
+    also what selects the Triton lowering over Mosaic GPU, the default GPU backend.
+
+    Raises:
+        RuntimeError: this jax has no Triton backend (:data:`NO_TRITON`).
+    """
+    pltriton = _triton()
+    if pltriton is None:
+        raise RuntimeError(NO_TRITON.format(version=jax.__version__))
     cls = getattr(pltriton, "CompilerParams", None) or getattr(pltriton, "TritonCompilerParams")
     return cls(num_warps=num_warps, num_stages=num_stages)
 
@@ -132,16 +193,16 @@ def _lane(byte_planes, i: int, bits: int):
     return x & ((1 << bits) - 1)
 
 
-def _tree(idx, values, bits: int):
+def _tree(idx, values, bits: int, dtype):
     """``values[idx]`` by a binary select tree on the low ``bits`` bits of ``idx``."""
-    vals = [np.float32(c) for c in values]
+    vals = [np.asarray(c, dtype) for c in values]
     for b in range(bits):
         on = (idx & (1 << b)) != 0
         vals = [jnp.where(on, vals[2 * i + 1], vals[2 * i]) for i in range(len(vals) // 2)]
     return vals[0]
 
 
-def _select_lookup(idx, centroids: np.ndarray, bits: int):
+def _select_lookup(idx, centroids: np.ndarray, bits: int, dtype):
     """``centroids[idx]`` in registers. A symmetric table (``c[n-1-i] == -c[i]`` exactly,
     as Lloyd–Max tables of a symmetric density are) needs half the tree: the top bit is
     the sign, the mirrored low bits select ``|c|``."""
@@ -149,18 +210,20 @@ def _select_lookup(idx, centroids: np.ndarray, bits: int):
     if bits > 1 and np.array_equal(centroids[::-1], -centroids):
         top = idx >= n // 2
         low = jnp.where(top, (n - 1) - idx, idx)
-        v = _tree(low, centroids[: n // 2], bits - 1)
+        v = _tree(low, centroids[: n // 2], bits - 1, dtype)
         return jnp.where(top, -v, v)
-    return _tree(idx, centroids, bits)
+    return _tree(idx, centroids, bits, dtype)
 
 
 def _mm(a, b, *, trans_b: bool, precision):
-    """``a @ b`` (``a @ b.T`` with ``trans_b``) of 2-D float32 tiles: Triton's dot when
-    every dimension is at least 16, else a broadcast multiply-reduce."""
+    """``a @ b`` (``a @ b.T`` with ``trans_b``) of 2-D tiles (both float32, or both bf16),
+    float32 out: Triton's dot when every dimension is at least 16, else a broadcast
+    multiply-reduce in float32."""
     bt = b.T if trans_b else b  # only used for the shape check
     if min(a.shape[0], a.shape[1], bt.shape[1]) >= MIN_DOT:  # lax's dot: pl.dot moves between versions
         dims = (((1,), (1 if trans_b else 0,)), ((), ()))
         return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     if trans_b:  # [M, K] x [N, K] -> [M, N]
         return jnp.sum(a[:, None, :] * b[None, :, :], axis=2)
     return jnp.sum(a[:, :, None] * b[None, :, :], axis=1)  # [M, K] x [K, N]
@@ -175,18 +238,19 @@ def _kernel(hi_ref, lo_ref, table_ref, last_ref, q_ref, kc_ref, kn_ref, vc_ref, 
     b, h = pl.program_id(0), pl.program_id(1)
     s = lax.rem(pl.program_id(2), st["splits"])  # axis 2 is (row tile, split)
     blk, page, pps, chunk, sinks = st["block"], st["page"], st["pps"], st["chunk"], st["sinks"]
-    kbits, vbits, precision = st["kbits"], st["vbits"], st["precision"]
+    kbits, vbits, precision, cdt = st["kbits"], st["vbits"], st["precision"], st["dtype"]
     hi, sink_lo = hi_ref[b], lo_ref[b]
     start = s * chunk
     end = jnp.minimum(start + chunk, hi)
     n_blocks = jnp.maximum(end - start + (blk - 1), 0) // blk
     last = last_ref[...]  # [Rp]
-    q = [q_ref[i] for i in range(st["gk"])]  # [Rp, Wk] per key lane
+    gk = st["gk"]
+    q = [q_ref[i] for i in range(gk * st["q_terms"])]  # [Rp, Wk] per key lane (bf16: hi terms, then lo terms)
 
     def lookup(idx, bits, which):
         if st["lookup"] == "gather":
             return (ktab_ref if which == "k" else vtab_ref)[idx]
-        return _select_lookup(idx, st["kc"] if which == "k" else st["vc"], bits)
+        return _select_lookup(idx, st["kc"] if which == "k" else st["vc"], bits, cdt)
 
     def lanes(codes_ref, rows, bits, per_group, g):
         planes = [codes_ref[rows, h, :, j].astype(jnp.int32) & 0xFF for j in range(per_group)]
@@ -201,9 +265,11 @@ def _kernel(hi_ref, lo_ref, table_ref, last_ref, q_ref, kc_ref, kn_ref, vc_ref, 
         kn = jnp.where(coded, kn_ref[rows, h].astype(jnp.float32), 0.0)
         vn = jnp.where(coded, vn_ref[rows, h].astype(jnp.float32), 0.0)
         sc = None
-        for qi, idx in zip(q, lanes(kc_ref, rows, kbits, st["pgk"], st["gk"])):
-            part = _mm(qi, lookup(idx, kbits, "k"), trans_b=True, precision=precision)  # [Rp, T]
-            sc = part if sc is None else sc + part
+        for i, idx in enumerate(lanes(kc_ref, rows, kbits, st["pgk"], gk)):
+            k = lookup(idx, kbits, "k")  # [T, Wk]: the block's keys, dequantized once
+            for qi in q[i::gk]:
+                part = _mm(qi, k, trans_b=True, precision=precision)  # [Rp, T]
+                sc = part if sc is None else sc + part
         mask = coded[None, :] & (tok[None, :] <= last[:, None])  # [Rp, T]
         sc = jnp.where(mask, sc * kn[None, :], -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(sc, axis=1))
@@ -211,7 +277,7 @@ def _kernel(hi_ref, lo_ref, table_ref, last_ref, q_ref, kc_ref, kn_ref, vc_ref, 
         p = jnp.where(mask, jnp.exp(sc - m_safe[:, None]), 0.0)
         alpha = jnp.exp(m - m_safe)
         l = alpha * l + jnp.sum(p, axis=1)
-        pv = p * vn[None, :]
+        pv = (p * vn[None, :]).astype(cdt)  # bf16 mode: the probabilities rounded as dense bf16 attention's
         acc = tuple(
             alpha[:, None] * a + _mm(pv, lookup(idx, vbits, "v"), trans_b=False, precision=precision)
             for a, idx in zip(acc, lanes(vc_ref, rows, vbits, st["pgv"], st["gv"]))
@@ -269,7 +335,7 @@ def partial(cache: KVCache, query: _scoring.Query, *, interpret: bool, tuning: T
 
     page = cfg.page_tokens
     pps = cache.page_table.shape[1]
-    blk = tuning.block
+    blk = tuning.block_tokens
     capacity_blocks = -(-pps * page // blk)
     ns = _splits(tuning, batch * heads * n_rt, capacity_blocks)
     chunk = blk * -(-capacity_blocks // ns)
@@ -287,7 +353,16 @@ def partial(cache: KVCache, query: _scoring.Query, *, interpret: bool, tuning: T
     ktab = np.asarray(_codec.tables(cfg.key_codec).centroids, np.float32)
     vtab = np.asarray(_codec.tables(cfg.value_codec).centroids, np.float32)
 
-    if interpret:
+    bf16 = tuning.mode == "bf16"
+    cdt = jnp.bfloat16 if bf16 else jnp.float32  # what the dots read: queries, centroids, weighted probabilities
+    if bf16:
+        precision = None  # one bf16 pass, float32 accumulation (the interpreter computes it exactly)
+        # the rotated query as two bf16 terms (hi + lo, ~16 significant bits): dense bf16 attention
+        # reads the model's query as given, while q' = R q / sqrt(d) is float32; one bf16 term
+        # alone would add its rounding to every score (measured: up to 1.55x dot_product_attention's error)
+        hi_q = qp.astype(jnp.bfloat16)
+        qp = jnp.concatenate([hi_q, (qp - hi_q.astype(jnp.float32)).astype(jnp.bfloat16)], axis=2)
+    elif interpret:
         precision = lax.Precision.HIGHEST
     else:
         precision = {
@@ -298,16 +373,16 @@ def partial(cache: KVCache, query: _scoring.Query, *, interpret: bool, tuning: T
     st = dict(
         block=blk, page=page, pps=pps, chunk=chunk, sinks=sinks, kbits=cfg.key_bits, vbits=cfg.value_bits,
         gk=gk, gv=gv, pgk=pgk, pgv=pgv, wv=wv, lookup=tuning.lookup, precision=precision, splits=ns,
-        kc=ktab, vc=vtab,
+        kc=ktab, vc=vtab, dtype=cdt, q_terms=2 if bf16 else 1,
     )
     whole = lambda a: pl.BlockSpec(a.shape, lambda b, h, s, n=a.ndim: (0,) * n)  # noqa: E731
     inputs = [hi.astype(jnp.int32), sink_lo.astype(jnp.int32), cache.page_table, last, qp, kc, kn, vc, vn]
     in_specs = [whole(a) for a in inputs[:3]] + [
         pl.BlockSpec((None, rt), lambda b, h, s: (b, s // ns)),
-        pl.BlockSpec((None, None, gk, rt, wk), lambda b, h, s: (b, h, 0, s // ns, 0)),
+        pl.BlockSpec((None, None, qp.shape[2], rt, wk), lambda b, h, s: (b, h, 0, s // ns, 0)),
     ] + [whole(a) for a in inputs[5:]]
     if tuning.lookup == "gather":
-        inputs += [jnp.asarray(ktab), jnp.asarray(vtab)]
+        inputs += [jnp.asarray(ktab, cdt), jnp.asarray(vtab, cdt)]
         in_specs += [whole(a) for a in inputs[-2:]]
     out_shape = [
         jax.ShapeDtypeStruct((batch, heads, ns, rp), jnp.float32),
@@ -327,7 +402,7 @@ def partial(cache: KVCache, query: _scoring.Query, *, interpret: bool, tuning: T
         out_specs=out_specs,
         out_shape=out_shape,
         interpret=interpret,
-        name=f"tq_decode_k{cfg.key_bits}v{cfg.value_bits}",
+        name=f"tq_decode_k{cfg.key_bits}v{cfg.value_bits}{'_bf16' if bf16 else ''}",
         **kw,
     )(*inputs)
 

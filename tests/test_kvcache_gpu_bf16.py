@@ -1,0 +1,155 @@
+"""tq_jax.kvcache.pallas_gpu's bf16 mode (``Tuning(mode="bf16")``), run by the Pallas
+interpreter on CPU, held to dense bf16 attention's accuracy: over the attend matrix of
+tests/test_kvcache_gpu_kernel.py plus exact windows and sinks, its error against float64
+attention over the same K/V (the blob's decoded vectors where the cache holds codes, the
+exact vectors where it holds them) is at most ``BOUND`` times the error of
+``jax.nn.dot_product_attention`` over those K/V rounded to bf16. Queries are bf16, so both
+outputs are bf16. The exact mode stays float32-level (tests/test_kvcache_gpu_kernel.py);
+this file also lowers the bf16 mode to Triton IR for CUDA.
+
+The error is relative RMS over the batch's outputs (``|out - ref|_2 / |ref|_2``): the
+largest single element of a bf16 output is one rounding draw (the max-element ratio of the
+same cases ranged 0.7-1.7 between two runs of equally accurate kernels), the RMS is the
+accuracy. docs/accelerator.md has both, per case.
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tq_jax
+from tq_jax import kvcache
+from tq_jax.kvcache import pallas_gpu
+
+from test_kvcache import D, H, dense_attention, dumps_kv, fill
+
+BOUND = 1.5  # x the error of jax.nn.dot_product_attention in bf16 (docs/accelerator.md)
+
+
+def _reference_kv(cache, ks, vs):
+    """Each sequence's K/V as attention should read them, float32 ``[T, H, D]``: the
+    blob's decoded vectors, except the exact window and sinks (``exact_from`` is 0 here),
+    which the cache holds in its dtype (float32 in these tests: the appended values)."""
+    cfg, out = cache.config, []
+    for b in range(len(ks)):
+        kv = np.asarray(tq_jax.loads(dumps_kv(ks[b], vs[b], cfg), dtype=jnp.float32))
+        k, v = kv[0, 0].copy(), kv[1, 0].copy()
+        t = np.arange(len(ks[b]))
+        exact = (t >= len(ks[b]) - cfg.window) | (t < cfg.sinks)
+        k[exact], v[exact] = ks[b][exact], vs[b][exact]
+        out.append((k, v))
+    return out
+
+
+def _dpa_bf16(q, k, v):
+    """``jax.nn.dot_product_attention`` over bf16 q ``[Q, Hq, D]``, k/v ``[T, H, D]``, the
+    queries at the last Q positions (causal)."""
+    n_q, t = q.shape[0], k.shape[0]
+    allowed = np.arange(t)[None, :] <= (t - n_q + np.arange(n_q))[:, None]  # [Q, T]
+    bf = lambda x: jnp.asarray(x, jnp.bfloat16)[None]  # noqa: E731
+    out = jax.nn.dot_product_attention(bf(q), bf(k), bf(v), mask=jnp.asarray(allowed)[None, None], implementation="xla")
+    return np.asarray(out[0], np.float64)
+
+
+def _rms_err(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(np.sqrt(np.sum((out - ref) ** 2) / np.sum(ref**2)))
+
+
+def _max_err(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(np.abs(out - ref).max() / np.abs(ref).max())
+
+
+def errors(cache, ks, vs, q, tuning, err=_rms_err):
+    """``(kernel error, dot_product_attention error)`` over the batch, both against float64."""
+    out = np.asarray(jax.jit(lambda c, x: pallas_gpu.attend(c, x, interpret=True, tuning=tuning))(cache, q), np.float64)
+    q64 = np.asarray(q, np.float64)  # the bf16 queries' values
+    refs, dpas = [], []
+    for b, (k, v) in enumerate(_reference_kv(cache, ks, vs)):
+        refs.append(dense_attention(q64[b], k, v))
+        dpas.append(_dpa_bf16(q64[b], k, v))
+    ref = np.stack(refs)
+    return err(out, ref), err(np.stack(dpas), ref)
+
+
+# the exact mode's matrix (rotation x bits x GQA x paging x q_len), then exact windows and sinks
+BITS = [(2, 2), (3, 3), (4, 4), (4, 3), (2, 4), (3, 2)]
+CASES = [
+    (rot, kb, vb, (1, 3, 4)[i % 3], (None, 8, 16)[i % 3], (1, 3)[i % 2], 0, 0)
+    for i, (rot, (kb, vb)) in enumerate(itertools.product(("haar", "hadamard"), BITS))
+] + [
+    ("hadamard", 4, 4, 4, 8, 1, 8, 2),
+    ("haar", 3, 2, 3, None, 3, 8, 4),
+    ("haar", 4, 3, 1, 16, 1, 16, 0),
+]
+QUICK = {2, 12}  # haar 4/4 GQA 1 unpaged; hadamard 4/4 GQA 4 paged with a window and sinks
+MATRIX = [
+    pytest.param(*case, marks=() if i in QUICK else pytest.mark.slow,
+                 id=f"{case[0]}-{case[1]}/{case[2]}-gqa{case[3]}-page{case[4]}-q{case[5]}-w{case[6]}s{case[7]}")
+    for i, case in enumerate(CASES)
+]
+
+
+@pytest.mark.parametrize("rotation,kb,vb,group,page_size,q_len,window,sinks", MATRIX)
+def test_bf16_mode_error_is_within_dense_bf16_attentions(rotation, kb, vb, group, page_size, q_len, window, sinks):
+    rng = np.random.default_rng(kb * 10 + vb + group + window)
+    cache = kvcache.init(3, 48, H, D, key_bits=kb, value_bits=vb, rotation=rotation, seed=11, page_size=page_size,
+                         dtype=jnp.float32, block_tokens=16, window=window, sinks=sinks)
+    cache, ks, vs = fill(cache, rng, first=[16, 11, 16], second=[16, 16, 9])  # ragged: 32, 27, 25
+    q = jnp.asarray(rng.standard_normal((3, q_len, H * group, D)), jnp.bfloat16)
+    kernel, dpa = errors(cache, ks, vs, q, pallas_gpu.Tuning(mode="bf16", block=16, splits=2))
+    assert kernel <= BOUND * dpa, (kernel, dpa, kernel / dpa)
+
+
+def test_bf16_mode_through_attend_and_its_tuning_argument():
+    rng = np.random.default_rng(3)
+    cache = kvcache.init(3, 48, H, D, key_bits=4, value_bits=3, rotation="hadamard", seed=11, page_size=8,
+                         dtype=jnp.float32, block_tokens=16, window=8, sinks=2)
+    cache, ks, vs = fill(cache, rng, first=[16, 11, 16], second=[16, 16, 9])
+    q = jnp.asarray(rng.standard_normal((3, 1, H * 4, D)), jnp.bfloat16)
+    tuning = pallas_gpu.Tuning(mode="bf16", block=32)  # splits: the default, one program per block here
+    out = np.asarray(kvcache.attend(cache, q, impl="pallas_gpu", tuning=tuning), np.float64)
+    direct = np.asarray(jax.jit(lambda c, x: pallas_gpu.attend(c, x, interpret=True, tuning=tuning))(cache, q), np.float64)
+    np.testing.assert_array_equal(out, direct)
+    exact = np.asarray(kvcache.attend(cache, q, impl="pallas_gpu"), np.float64)  # tuning=None: the exact mode
+    assert 0 < np.abs(out - exact).max() <= 2e-2 * np.abs(exact).max()
+    with pytest.raises(ValueError, match="`tuning` is the GPU kernel's .* impl='xla'"):
+        kvcache.attend(cache, q, impl="xla", tuning=tuning)
+
+
+def test_bf16_mode_defaults_and_bad_mode():
+    assert pallas_gpu.Tuning().block_tokens == 64 and pallas_gpu.Tuning().mode == "exact"
+    assert pallas_gpu.BF16_TUNING.block_tokens == 128 and pallas_gpu.BF16_TUNING.mode == "bf16"
+    assert pallas_gpu.Tuning(mode="bf16", block=256).block_tokens == 256
+    with pytest.raises(ValueError, match="`mode` must be one of \\('exact', 'bf16'\\), got 'fp8'"):
+        pallas_gpu.Tuning(mode="fp8")
+
+
+@pytest.mark.parametrize(
+    "kb,vb,rotation,page_size,group,q_len,dim,tuning",
+    [
+        (4, 4, "haar", None, 4, 1, 128, pallas_gpu.BF16_TUNING),  # the benchmark's 4/4: bf16 dots on 64-wide lanes
+        (3, 3, "hadamard", 16, 3, 1, 128, pallas_gpu.Tuning(mode="bf16", block=256, lookup="select")),  # 16-wide lanes
+        (3, 2, "haar", 8, 4, 3, 64, pallas_gpu.Tuning(mode="bf16", num_warps=8)),  # 8-wide key lanes: multiply-reduce
+    ],
+)
+def test_bf16_mode_lowers_to_triton_ir_for_cuda(kb, vb, rotation, page_size, group, q_len, dim, tuning):
+    cache = kvcache.init(2, 300, 2, dim, key_bits=kb, value_bits=vb, rotation=rotation, seed=3, page_size=page_size)
+    q = jax.ShapeDtypeStruct((2, q_len, 2 * group, dim), jnp.bfloat16)
+    fn = jax.jit(lambda c, x: pallas_gpu.attend(c, x, interpret=False, tuning=tuning))
+    text = fn.trace(cache, q).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == 1  # one Triton kernel, the rest is XLA
+    assert "tq_decode_k%dv%d_bf16" % (kb, vb) in text
+
+
+def test_mosaic_gpu_lowering_is_not_checked_on_cpu():
+    pytest.skip(
+        "no Mosaic GPU kernel ships, so there is no Mosaic GPU lowering to check: both modes are the Triton kernel "
+        "(tq_jax/kvcache/pallas_gpu.py). A CPU jaxlib can lower Pallas to Mosaic GPU (jax 0.10.2 lowers a toy "
+        "kernel for 'cuda'), so a Mosaic GPU kernel, once one is measured faster on a GPU, gets its lowering test "
+        "here; docs/accelerator.md."
+    )
