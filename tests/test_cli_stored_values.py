@@ -96,6 +96,36 @@ def test_inspect_a_multi_group_key_bound_value(tmp_path, capsys):
     assert [t["name"] for t in doc["tensors"]] == ["group 0", "group 1"]
     assert [t["shape"] for t in doc["tensors"]] == [list(STORED), [2, 4, 8, 1, 128]]
     assert sum(t["stored_bytes"] for t in doc["tensors"]) + 20 == len(value) == doc["bytes"]
+    # Without a checksum preset: the blobs back to back, no trailer.
+    plain = _stored({"preset": "compat-4bit"}, shapes=(SHAPE, (2, 4, 8, 128)))
+    path.write_bytes(plain)
+    assert run("inspect", path, "--json") == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["kind"] == "L2 value" and "key_binding" not in doc and len(doc["tensors"]) == 2
+    assert sum(t["stored_bytes"] for t in doc["tensors"]) == len(plain)
+
+
+def test_inspect_of_mutated_stored_values_is_a_row_or_one_error_line(tmp_path, key_bound, capsys):
+    """Hostile input: random flips and cuts of a key-bound value end in exit 0 (only the
+    unverified digest changed) or exit 1 with one error line, never a traceback."""
+    rng = np.random.default_rng(7)
+    path = tmp_path / "m.bin"
+    n = len(key_bound)
+    for trial in range(40):
+        data = bytearray(key_bound)
+        if trial % 4 == 3:
+            data = data[: int(rng.integers(0, n))]
+        else:
+            off = int(rng.integers(0, n))
+            data[off] ^= 1 << int(rng.integers(8))
+        path.write_bytes(bytes(data))
+        rc = run("inspect", path)
+        out, err = capsys.readouterr()
+        if rc == 0:
+            assert "bound to a key" in out and len(data) == n, trial  # a flip in the digest
+            assert bytes(data[: n - 16]) == key_bound[: n - 16], trial
+        else:
+            assert rc == 1 and err.count("\n") == 1 and err.startswith("tq-jax: error:"), (trial, err)
 
 
 def test_inspect_keeps_clear_errors_for_damaged_key_bound_values(tmp_path, key_bound, capsys):
