@@ -49,6 +49,8 @@ def missing_test_dependencies() -> list[str]:
 
 
 def pytest_configure(config):
+    for spec in LMCACHE_IMPORT_FILTERS:
+        config.addinivalue_line("filterwarnings", spec)
     if os.environ.get("CI") and (missing := missing_test_dependencies()):
         raise pytest.UsageError(
             "CI is set but test dependencies are missing, so their tests would be skipped: "
@@ -80,11 +82,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# The warnings LMCache's imports raise, ignored by every test module that imports it:
-# ``pytestmark = LMCACHE_WARNINGS``.
+# The warnings LMCache's imports raise. opentelemetry's LoggingHandler deprecation comes
+# when a test module imports LMCache, i.e. while pytest collects it, where no module's
+# marks apply yet: so it is ignored for the whole run (pytest_configure adds it to the
+# ini's filterwarnings, which cover collection too). The rest are ignored by every test
+# module that imports LMCache: ``pytestmark = LMCACHE_WARNINGS``.
+LMCACHE_IMPORT_FILTERS = ("ignore:.*LoggingHandler.*:DeprecationWarning",)  # opentelemetry, via lmcache's logging
 LMCACHE_WARNINGS = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),  # google-* deps of lmcache
-    pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning"),  # opentelemetry
+    *(pytest.mark.filterwarnings(f) for f in LMCACHE_IMPORT_FILTERS),
 ]
 
 
