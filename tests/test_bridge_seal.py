@@ -461,6 +461,16 @@ def test_encrypt_option_errors(tmp_path):
     assert (cfg.aes_bits, cfg.master_key_paths, cfg.accept_tqs1) == (256, ("/x",), True)
 
 
+def test_start_up_line_names_the_key_files_and_the_frames(master_file, tmp_path):
+    older = tmp_path / "older.key"
+    older.write_bytes(bytes(range(50, 82)))
+    o = registry.parse_options({"preset": "turbo-3.5", "encrypt": {"master_key_paths": [str(master_file), str(older)], "accept_tqs1": False}})
+    ser, _ = registry.build_serde(o)
+    line = registry.created_message(o, ser.inner.options, "cpu:0")
+    assert f"sealing with master key file {master_file}, opening with {older} too" in line
+    assert "a key per value (frame TQS2)" in line and "TQS1 values refused" in line
+
+
 def test_every_master_key_file_is_checked_at_start_up(master_file, tmp_path):
     short, missing = tmp_path / "short.key", tmp_path / "missing.key"
     short.write_bytes(bytes(31))
