@@ -18,7 +18,9 @@ from tq_jax import safetensors_io as st
 from tq_jax.batch.errors import BatchError
 from tq_jax.batch.writers import open_writer
 
-__all__ = ["byte_view", "produce", "Progress", "run_local"]
+__all__ = ["byte_view", "produce", "Progress", "run_local", "LOG_EVERY"]
+
+LOG_EVERY = 10.0  # seconds between progress lines when stderr is not a terminal (a log)
 
 
 def byte_view(data) -> memoryview:
@@ -59,26 +61,38 @@ def produce(src, unit, devices) -> np.ndarray | bytes:
 
 
 class Progress:
-    """Bytes-based progress with MB/s on stderr: tqdm when installed, else a plain line.
+    """Bytes-based progress with MB/s on stderr, drawn for a terminal, logged otherwise.
 
-    The plain line is redrawn at most every 0.5 s and once at 100 %; :meth:`close`
-    ends it with a newline. ``quiet`` prints nothing.
+    On a terminal (``stream.isatty()``): a tqdm bar when tqdm is installed, else one
+    plain line redrawn in place (``\\r``) at most every 0.5 s and once at 100 %. Not on a
+    terminal (a log file, a pipe, CI): no bar and no ``\\r``; one line when
+    :meth:`close` is called (one line per file) and, for a file that takes longer, one
+    line every :data:`LOG_EVERY` seconds before it, so a log stays readable line by line.
+    ``quiet`` prints nothing.
+
+    Args:
+        total: input bytes reported on (a file's, or a process's share of a distributed job).
+        desc: the label each line starts with (``"compress model.safetensors"``).
+        quiet: print nothing.
+        stream: where to write; default ``sys.stderr`` (looked up when created).
     """
 
-    def __init__(self, total: int, desc: str, quiet: bool = False):
+    def __init__(self, total: int, desc: str, quiet: bool = False, stream=None):
         self.total, self.desc, self.quiet = total, desc, quiet
+        self.stream = sys.stderr if stream is None else stream
         self.done = 0
+        self.tty = _isatty(self.stream)  # whether a bar can be redrawn in place
         self.t0 = time.perf_counter()
-        self._last = 0.0
+        self._last = 0.0 if self.tty else self.t0
         self._bar = None
-        if quiet:
+        if quiet or not self.tty:
             return
         try:
             from tqdm import tqdm
         except ImportError:
             return
         self._bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1000,
-                         file=sys.stderr, leave=True, dynamic_ncols=True)
+                         file=self.stream, leave=True, dynamic_ncols=True)
 
     def update(self, n: int) -> None:
         self.done += n
@@ -88,18 +102,22 @@ class Progress:
             self._bar.update(n)
             return
         now = time.perf_counter()
-        if now - self._last >= 0.5 or self.done >= self.total:
+        if self.tty:
+            if now - self._last >= 0.5 or self.done >= self.total:
+                self._last = now
+                self._line(end="\r")
+        elif now - self._last >= LOG_EVERY and self.done < self.total:  # close() prints the last line
             self._last = now
-            self._line(end="\r")
+            self._line(end="\n")
 
     def _line(self, end):
         dt = max(time.perf_counter() - self.t0, 1e-9)
         pct = 100.0 * self.done / self.total if self.total else 100.0
-        sys.stderr.write(
+        self.stream.write(
             f"{self.desc}: {pct:5.1f}% {self.done / 1e6:,.1f}/{self.total / 1e6:,.1f} MB "
             f"{self.done / 1e6 / dt:,.1f} MB/s{end}"
         )
-        sys.stderr.flush()
+        self.stream.flush()
 
     def close(self) -> None:
         if self.quiet:
@@ -108,6 +126,14 @@ class Progress:
             self._bar.close()
         else:
             self._line(end="\n")
+
+
+def _isatty(stream) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty and isatty())
+    except (OSError, ValueError):  # a closed or detached stream
+        return False
 
 
 def run_local(plan, src, devices, progress: Callable[[int], None] = lambda n: None) -> None:
