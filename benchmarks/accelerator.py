@@ -19,13 +19,19 @@ Steps:
 2. ``dumps``/``loads`` of a resident ``jax.Array`` (W1 and a 1 GiB tensor; v1 4-bit,
    turbo-3.5, Hadamard v2 4-bit) in GiB/s of the bf16 tensor, beside a device-to-device
    copy of the same bytes.
-3. decode ``attend`` (XLA, the Pallas GPU kernel) against dense bf16 attention
-   (``jax.nn.dot_product_attention`` and a plain einsum) at 8k/32k/128k tokens, batch 8,
-   8 KV heads, GQA 4, head_dim 128, 4/4 and K4V3. The cache's codes are random bytes
-   (attention's speed does not depend on their values).
-4. SmolLM2-135M's architecture decoding with a bf16 cache and compressed caches. The
-   weights are random (the GGUF cannot travel to a machine without network, and decode
-   speed does not depend on weight values).
+3. the GPU kernel's bf16 mode checked against its accuracy bound on the device (relative
+   RMS error at most 1.5x ``jax.nn.dot_product_attention``'s over the same K/V in bf16),
+   then decode ``attend`` (the GPU kernel's exact and bf16 modes; the XLA loop at batch 8)
+   against dense bf16 attention (``jax.nn.dot_product_attention`` and a plain einsum) at
+   8k/32k/128k tokens, batch 1, 8 and 32, 8 KV heads, GQA 4, head_dim 128, 4/4 and
+   turbo-3.5, and a tuning sweep of both modes at batch 8, 32k. The cache's codes are
+   random bytes (attention's speed does not depend on their values).
+4. SmolLM2-135M's architecture decoding at batch 8 and 32 from 4k and 16k tokens of
+   context: a bf16 cache attended with ``jax.nn.dot_product_attention`` against the
+   compressed caches (4/4, turbo-3.5) with the GPU kernel's two modes, all in the same
+   decode step; and the example's own step once. The weights and cache contents are
+   random (the GGUF cannot travel to a machine without network, and decode speed does
+   not depend on the values).
 
 Timing: ``block_until_ready``, the first call (compile) excluded, median of ``--reps``.
 """
@@ -33,7 +39,6 @@ Timing: ``block_until_ready``, the first call (compile) excluded, median of ``--
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import math
@@ -61,40 +66,46 @@ GIB = float(1 << 30)
 class Sizes:
     codec: tuple  # (name, shape) of bf16 tensors
     tokens: tuple  # attend's cache lengths
-    batch: int
+    batches: tuple  # step 3's batch sizes
+    xla_batch: int  # step 3 times the XLA loop (13x slower than the kernel on an H200) at this batch only
     kv_heads: int
     group: int
     dim: int
     reps: int
     model: dict  # LlamaConfig overrides
-    model_batch: int
-    context: int
+    model_batches: tuple  # step 4's batch sizes
+    contexts: tuple  # step 4's context lengths
     decode_steps: int
-    kv_cases: int  # step 1's kvcache cases (of KV_CASES)
-    model_kinds: int  # step 4's caches (bf16, 4/4 xla, 4/4 pallas_gpu, K4V3 xla, K4V3 pallas_gpu)
-    variants: bool  # step 3 times the kernel's tuning variants (at the second length)
+    kv_cases: int  # step 1's kvcache cases (of KV_CASES); step 3 checks the bf16 mode's accuracy on them
+    model_kinds: int  # step 4's caches (of MODEL_KINDS)
+    variants: bool  # step 3 times the kernel's tuning variants (at the second length, batch xla_batch)
 
 
 FULL = Sizes(
     codec=(("W1", (2, 32, 256, 8, 128)), ("1 GiB", (2, 32, 8192, 8, 128))),
     tokens=(8192, 32768, 131072),
-    batch=8, kv_heads=8, group=4, dim=128, reps=10,
+    batches=(1, 8, 32), xla_batch=8, kv_heads=8, group=4, dim=128, reps=10,
     model=dict(vocab_size=49152, hidden=576, layers=30, heads=9, kv_heads=3, head_dim=64, ffn=1536),
-    model_batch=8, context=4096, decode_steps=16, kv_cases=4, model_kinds=5, variants=True,
+    model_batches=(8, 32), contexts=(4096, 16384), decode_steps=16, kv_cases=4, model_kinds=5, variants=True,
 )
 SMOKE = Sizes(
     codec=(("W1/64", (2, 2, 16, 2, 128)),),
     tokens=(64,),
-    batch=2, kv_heads=2, group=4, dim=128, reps=2,
+    batches=(1, 2), xla_batch=2, kv_heads=2, group=4, dim=128, reps=2,
     model=dict(vocab_size=256, hidden=192, layers=2, heads=3, kv_heads=1, head_dim=64, ffn=128),
-    model_batch=2, context=8, decode_steps=3, kv_cases=2, model_kinds=3, variants=False,
+    model_batches=(2,), contexts=(8,), decode_steps=3, kv_cases=2, model_kinds=3, variants=False,
 )
 CODEC_OPTIONS = (
     ("v1 4-bit", dict(bits=4)),
     ("turbo-3.5", tq_jax.PRESETS["turbo-3.5"]),
     ("Hadamard v2 4-bit", dict(bits=4, rotation="hadamard")),
 )
-ATTEND_BITS = ((4, 4), (4, 3))
+ATTEND_CACHES = (  # steps 3 and 4's compressed caches: kvcache.init keywords
+    ("4/4", dict(key_bits=4, value_bits=4, rotation="haar")),
+    ("turbo-3.5", dict(options="turbo-3.5")),  # K4V3, Hadamard, norm correction
+)
+KERNEL_MODES = (("exact", pallas_gpu.DEFAULT_TUNING), ("bf16", pallas_gpu.BF16_TUNING))
+BF16_BOUND = 1.5  # the bf16 mode's error, x jax.nn.dot_product_attention's over the same K/V in bf16
 
 
 class CheckFailed(RuntimeError):
@@ -260,20 +271,30 @@ def step_codec(dev, sizes: Sizes, table: list):
 # --------------------------------------------------------------------------- step 3: attend
 
 
-def random_cache(key, batch, tokens, heads, dim, kb, vb, *, block_tokens=None):
-    """A full unpaged cache of ``tokens`` random codes per sequence (norms in 0.5..1.5 x sqrt(dim))."""
-    c = kvcache.init(batch, tokens, heads, dim, key_bits=kb, value_bits=vb, rotation="haar", seed=42,
-                     block_tokens=block_tokens)  # the default exact window of the last 128 tokens
-    k1, k2, k3, k4 = jax.random.split(key, 4)
-    norm = lambda k, s: (jax.random.uniform(k, s, jnp.float32, 0.5, 1.5) * math.sqrt(dim)).astype(jnp.float16)  # noqa: E731
+def random_fill(cache, key, length: int):
+    """``cache`` (one, or a stack with leading axes) holding ``length`` tokens per sequence:
+    random code bytes, norms in 0.5..1.5 x sqrt(head_dim), random exact window and sinks
+    (attention's speed does not depend on the values)."""
+    dim = cache.config.head_dim
+    k1, k2, k3, k4, k5, k6, k7, k8 = jax.random.split(key, 8)
+    norm = lambda k, x: (jax.random.uniform(k, x.shape, jnp.float32, 0.5, 1.5) * math.sqrt(dim)).astype(x.dtype)  # noqa: E731
+    normal = lambda k, x: jax.random.normal(k, x.shape, jnp.float32).astype(x.dtype)  # noqa: E731
     return dataclasses.replace(
-        c,
-        k_codes=jax.random.bits(k1, c.k_codes.shape, jnp.uint8),
-        v_codes=jax.random.bits(k2, c.v_codes.shape, jnp.uint8),
-        k_norms=norm(k3, c.k_norms.shape),
-        v_norms=norm(k4, c.v_norms.shape),
-        lengths=jnp.full((batch,), tokens, jnp.int32),
+        cache,
+        k_codes=jax.random.bits(k1, cache.k_codes.shape, jnp.uint8),
+        v_codes=jax.random.bits(k2, cache.v_codes.shape, jnp.uint8),
+        k_norms=norm(k3, cache.k_norms), v_norms=norm(k4, cache.v_norms),
+        k_window=normal(k5, cache.k_window), v_window=normal(k6, cache.v_window),
+        k_sinks=normal(k7, cache.k_sinks), v_sinks=normal(k8, cache.v_sinks),
+        lengths=jnp.full(cache.lengths.shape, length, jnp.int32),
     )
+
+
+def random_cache(key, batch, tokens, heads, dim, *, block_tokens=None, **init_kw):
+    """A full unpaged cache of ``tokens`` random codes per sequence, the default exact window
+    (the last 128 tokens) and sinks; ``init_kw``: ``kvcache.init``'s (bits, options, ...)."""
+    c = kvcache.init(batch, tokens, heads, dim, seed=42, block_tokens=block_tokens, **init_kw)
+    return random_fill(c, key, tokens)
 
 
 @jax.jit
@@ -287,59 +308,119 @@ def dense_einsum(q, k, v):
 dense_dpa = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v))
 
 
+def dpa_bf16(q, k, v):
+    """``jax.nn.dot_product_attention`` over q ``[Q, Hq, D]``, k/v ``[T, H, D]`` rounded to
+    bf16, the queries at the last Q positions (causal); float64 out."""
+    n_q, t = q.shape[0], k.shape[0]
+    allowed = np.arange(t)[None, :] <= (t - n_q + np.arange(n_q))[:, None]
+    bf = lambda x: jnp.asarray(x, jnp.bfloat16)[None]  # noqa: E731
+    return np.asarray(jax.nn.dot_product_attention(bf(q), bf(k), bf(v), mask=jnp.asarray(allowed)[None, None])[0], np.float64)
+
+
+def rms_err(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(np.sqrt(np.sum((out - ref) ** 2) / max(np.sum(ref**2), 1e-300)))
+
+
+def bf16_accuracy(sizes: Sizes, table: list):
+    """The bf16 mode on the device, over step 1's cases with bf16 queries: its relative RMS
+    error against float64 attention over the decoded blob, beside
+    ``jax.nn.dot_product_attention``'s over the same K/V in bf16; above ``BF16_BOUND`` times
+    that, the row says FAILED (step 1 holds the exact mode to float32 level)."""
+    rng = np.random.default_rng(3)
+    for rot, kb, vb, group, ps, q_len, dim in KV_CASES[: sizes.kv_cases]:
+        tag = f"{rot} {kb}/{vb} gqa{group} {'paged' + str(ps) if ps else 'unpaged'} q{q_len} d{dim}"
+        cache, ks, vs, q = filled_cache(rng, kb, vb, rot, ps, group, q_len, dim)
+        qb = jnp.asarray(q, jnp.bfloat16)
+        q64 = np.asarray(qb, np.float64)
+        out = np.asarray(gpu_attend(cache, qb, pallas_gpu.BF16_TUNING), np.float64)
+        refs, dpas = [], []
+        for b in range(len(ks)):
+            kv = np.asarray(tq_jax.loads(kvcache.export(cache, seq=b), dtype=jnp.float32))
+            refs.append(dense_attention(q64[b], kv[0, 0], kv[1, 0]))
+            dpas.append(dpa_bf16(q64[b], kv[0, 0], kv[1, 0]))
+        err, dpa_err = rms_err(out, np.stack(refs)), rms_err(np.stack(dpas), np.stack(refs))
+        ratio = err / dpa_err
+        verdict = "ok" if ratio <= BF16_BOUND else "FAILED"
+        what = (f"pallas_gpu bf16 mode accuracy {verdict}: rms err {err:.2e} = {ratio:.2f}x "
+                f"jax.nn.dot_product_attention's {dpa_err:.2e} (bound {BF16_BOUND}x)")
+        table.append(("3 attend", f"bf16 accuracy {tag}", what, None, None, None, None))
+        print(f"  {tag}: {what}", flush=True)
+
+
 def step_attend(sizes: Sizes, table: list):
-    b, h, g, d = sizes.batch, sizes.kv_heads, sizes.group, sizes.dim
+    h, g, d = sizes.kv_heads, sizes.group, sizes.dim
+    bf16_accuracy(sizes, table)
     copy = jax.jit(jnp.copy)
-    for t in sizes.tokens:
-        key = jax.random.key(t)
-        kq, kk, kv_ = jax.random.split(key, 3)
-        q = jax.random.normal(kq, (b, 1, h * g, d), jnp.bfloat16)
-        dense_bytes = 2 * b * t * h * d * 2
-        kd = jax.random.normal(kk, (b, t, h, d), jnp.bfloat16)
-        vd = jax.random.normal(kv_, (b, t, h, d), jnp.bfloat16)
-        copy_ms = median_ms(lambda: copy(kd), sizes.reps) * 2  # K and V
-        table.append(("3 attend", f"{t} tokens", "copy of the bf16 K/V (device)", copy_ms, gibs(dense_bytes, copy_ms), None, None))
-        dpa_ms = median_ms(lambda: dense_dpa(q, kd, vd), sizes.reps)
-        table.append(("3 attend", f"{t} tokens", "dense bf16: jax.nn.dot_product_attention", dpa_ms, gibs(dense_bytes, dpa_ms), None, 1.0))
-        qh = q.reshape(b, h, g, d)
-        kt, vt = kd.transpose(0, 2, 1, 3), vd.transpose(0, 2, 1, 3)
-        ein_ms = median_ms(lambda: dense_einsum(qh, kt, vt), sizes.reps)
-        table.append(("3 attend", f"{t} tokens", "dense bf16: einsum", ein_ms, gibs(dense_bytes, ein_ms), None, ein_ms / dpa_ms))
-        best = min(dpa_ms, ein_ms)
-        for kb, vb in ATTEND_BITS:
-            cache = random_cache(key, b, t, h, d, kb, vb)
-            cbytes = sum(int(x.size) * x.dtype.itemsize for x in (cache.k_codes, cache.v_codes, cache.k_norms, cache.v_norms))
-            cases = [
-                ("kvcache xla", lambda: kvcache.attend(cache, q, impl="xla")),
-                ("kvcache pallas_gpu", lambda: gpu_attend(cache, q)),
-            ]
-            if sizes.variants and t == sizes.tokens[1]:  # the kernel's variants at 32k
-                for name, tun in (("gather lookup", dict(lookup="gather")), ("block 128", dict(block=128)),
-                                  ("tf32x3 dots", dict(dot="tf32x3")), ("8 warps", dict(num_warps=8))):
-                    tuning = pallas_gpu.Tuning(**tun)
-                    cases.append((f"kvcache pallas_gpu, {name}", lambda tuning=tuning: gpu_attend(cache, q, tuning)))
-                big = dataclasses.replace(cache, config=dataclasses.replace(cache.config, block_tokens=min(512, t)))
-                cases.append(("kvcache xla, block 512", lambda: kvcache.attend(big, q, impl="xla")))
-            for name, fn in cases:
-                try:
-                    ms = median_ms(fn, sizes.reps)
-                except Exception as e:  # a variant that does not compile is a row, not the end of the run
-                    table.append(("3 attend", f"{t} tokens K{kb}V{vb}", f"{name}: FAILED {type(e).__name__}: {str(e)[:200]}",
-                                  None, None, None, None))
-                    continue
-                table.append(("3 attend", f"{t} tokens K{kb}V{vb}", name, ms, gibs(cbytes, ms), None, ms / best))
-                print(f"  {t} K{kb}V{vb} {name}: {ms:.3f} ms ({ms / best:.2f}x best dense bf16)", flush=True)
+    for b in sizes.batches:
+        for t in sizes.tokens:
+            key = jax.random.key(t + b)
+            kq, kk, kv_ = jax.random.split(key, 3)
+            case = f"batch {b}, {t} tokens"
+            q = jax.random.normal(kq, (b, 1, h * g, d), jnp.bfloat16)
+            dense_bytes = 2 * b * t * h * d * 2
+            kd = jax.random.normal(kk, (b, t, h, d), jnp.bfloat16)
+            vd = jax.random.normal(kv_, (b, t, h, d), jnp.bfloat16)
+            copy_ms = median_ms(lambda: copy(kd), sizes.reps) * 2  # K and V
+            table.append(("3 attend", case, "copy of the bf16 K/V (device)", copy_ms, gibs(dense_bytes, copy_ms), None, None))
+            dpa_ms = median_ms(lambda: dense_dpa(q, kd, vd), sizes.reps)
+            table.append(("3 attend", case, "dense bf16: jax.nn.dot_product_attention", dpa_ms, gibs(dense_bytes, dpa_ms), None, 1.0))
+            qh = q.reshape(b, h, g, d)
+            kt, vt = kd.transpose(0, 2, 1, 3), vd.transpose(0, 2, 1, 3)
+            ein_ms = median_ms(lambda: dense_einsum(qh, kt, vt), sizes.reps)
+            table.append(("3 attend", case, "dense bf16: einsum", ein_ms, gibs(dense_bytes, ein_ms), None, ein_ms / dpa_ms))
+            del kd, vd, kt, vt
+            best = min(dpa_ms, ein_ms)
+            for cname, ckw in ATTEND_CACHES:
+                cache = random_cache(key, b, t, h, d, **ckw)
+                cbytes = sum(int(x.size) * x.dtype.itemsize for x in (cache.k_codes, cache.v_codes, cache.k_norms, cache.v_norms))
+                cases = [(f"kvcache pallas_gpu {mode}", lambda tuning=tuning: gpu_attend(cache, q, tuning))
+                         for mode, tuning in KERNEL_MODES]
+                if b == sizes.xla_batch:
+                    cases.insert(0, ("kvcache xla", lambda: kvcache.attend(cache, q, impl="xla")))
+                if sizes.variants and t == sizes.tokens[1] and b == sizes.xla_batch:  # the tuning sweep at 32k
+                    sweep = [("exact", dict(block=128)), ("exact", dict(dot="tf32x3")), ("exact", dict(num_warps=8)),
+                             ("bf16", dict(block=64)), ("bf16", dict(block=256)), ("bf16", dict(block=512)),
+                             ("bf16", dict(num_warps=8)), ("bf16", dict(block=256, num_warps=8)),
+                             ("bf16", dict(num_stages=3)), ("bf16", dict(lookup="select")), ("bf16", dict(splits=1))]
+                    for mode, tun in sweep:
+                        tuning = pallas_gpu.Tuning(mode=mode, **tun)
+                        name = ", ".join(f"{k} {v}" for k, v in tun.items())
+                        cases.append((f"kvcache pallas_gpu {mode}, {name}", lambda tuning=tuning: gpu_attend(cache, q, tuning)))
+                    big = dataclasses.replace(cache, config=dataclasses.replace(cache.config, block_tokens=min(512, t)))
+                    cases.append(("kvcache xla, block 512", lambda: kvcache.attend(big, q, impl="xla")))
+                for name, fn in cases:
+                    try:
+                        ms = median_ms(fn, sizes.reps)
+                    except Exception as e:  # a variant that does not compile is a row, not the end of the run
+                        table.append(("3 attend", f"{case} {cname}", f"{name}: FAILED {type(e).__name__}: {str(e)[:200]}",
+                                      None, None, None, None))
+                        continue
+                    table.append(("3 attend", f"{case} {cname}", name, ms, gibs(cbytes, ms), None, ms / best))
+                    print(f"  {case} {cname} {name}: {ms:.3f} ms ({ms / dpa_ms:.2f}x dot_product_attention, "
+                          f"{ms / ein_ms:.2f}x einsum)", flush=True)
+                del cache
 
 
 # --------------------------------------------------------------------------- step 4: model
 
 
-def model_api():
-    """``(LlamaConfig, init_cache, make_step)`` of the SmolLM2 example (run from the
-    repository root, where ``examples`` is importable)."""
-    from examples.smollm2 import LlamaConfig, init_cache, make_step
+MODEL_KINDS = [  # (label, cache kind, kvcache.init keywords, attend impl, kernel tuning)
+    ("bf16 cache, jax.nn.dot_product_attention", "bf16", {}, None, None),
+    ("tq 4/4, attend impl=pallas_gpu exact", "tq", ATTEND_CACHES[0][1], "pallas_gpu", pallas_gpu.DEFAULT_TUNING),
+    ("tq 4/4, attend impl=pallas_gpu bf16", "tq", ATTEND_CACHES[0][1], "pallas_gpu", pallas_gpu.BF16_TUNING),
+    ("tq turbo-3.5, attend impl=pallas_gpu bf16", "tq", ATTEND_CACHES[1][1], "pallas_gpu", pallas_gpu.BF16_TUNING),
+    ("tq turbo-3.5, attend impl=pallas_gpu exact", "tq", ATTEND_CACHES[1][1], "pallas_gpu", pallas_gpu.DEFAULT_TUNING),
+]
 
-    return LlamaConfig, init_cache, make_step
+
+def model_api():
+    """``(LlamaConfig, init_cache, make_step, decoder_layer, output_logits)`` of the SmolLM2
+    example (run from the repository root, where ``examples`` is importable)."""
+    from examples.smollm2 import LlamaConfig, init_cache, make_step
+    from examples.smollm2.model import decoder_layer, output_logits
+
+    return LlamaConfig, init_cache, make_step, decoder_layer, output_logits
 
 
 def random_params(cfg, key):
@@ -354,72 +435,106 @@ def random_params(cfg, key):
             "norm": jnp.ones((d,), jnp.float32), "layers": layers}
 
 
-@contextlib.contextmanager
-def attend_impl(impl: str, calls: list):
-    """Route the model's ``kvcache.attend(cache, q)`` calls (traced inside) to ``impl``."""
-    orig = kvcache.attend
+def dpa_attend(cache, q, k, v):
+    """One decode token on a layer's bf16 cache ``(k [B, cap, H, D], v, n [B])``: write it at
+    ``n``, then ``jax.nn.dot_product_attention`` over the first ``n + 1`` tokens (a fused
+    kernel: cuDNN's where it applies, else XLA's)."""
+    kc, vc, n = cache
+    rows = jnp.arange(kc.shape[0])
+    kc = kc.at[rows, n].set(k[:, 0].astype(kc.dtype))
+    vc = vc.at[rows, n].set(v[:, 0].astype(vc.dtype))
+    out = jax.nn.dot_product_attention(q.astype(kc.dtype), kc, vc, key_value_seq_lengths=n + 1)
+    return out.astype(q.dtype), (kc, vc, n + 1)
 
-    def routed(cache, q, **kw):
-        calls.append(impl)
-        return orig(cache, q, **{**kw, "impl": impl})
 
-    kvcache.attend = routed
-    try:
-        yield
-    finally:
-        kvcache.attend = orig
+def tq_attend(impl: str, tuning):
+    def attend(cache, q, k, v):
+        cache = kvcache.append(cache, k, v)
+        return kvcache.attend(cache, q, impl=impl, tuning=tuning), cache
+
+    return attend
+
+
+def layered_step(cfg, layer_attend, decoder_layer, output_logits):
+    """A jitted decode step over one cache per layer (a list, layers unrolled, so each layer's
+    cache is its own buffer, updated in place): ``step(params, caches, pos [B, 1], tok [B, 1])``."""
+
+    def step(params, caches, pos, tok):
+        h = params["embed"][tok]
+        new = []
+        for i, c in enumerate(caches):
+            p = jax.tree.map(lambda x, i=i: x[i], params["layers"])
+            h, c = decoder_layer(cfg, h, p, pos, lambda q, k, v, c=c: layer_attend(c, q, k, v))
+            new.append(c)
+        return output_logits(params, cfg, h), new
+
+    return jax.jit(step, donate_argnums=1)
+
+
+def time_decode(step, params, caches, batch: int, ctx: int, steps: int):
+    """Median ms of ``steps - 1`` decode steps after a compiling one, from ``ctx`` tokens."""
+    tok = jnp.zeros((batch, 1), jnp.int32)
+    logits, caches = step(params, caches, jnp.full((batch, 1), ctx, jnp.int32), tok)
+    _ready(logits)
+    ts = []
+    for i in range(1, steps):
+        tok = jnp.argmax(logits[:, -1:], axis=-1).astype(jnp.int32)
+        t0 = time.perf_counter()
+        logits, caches = step(params, caches, jnp.full((batch, 1), ctx + i, jnp.int32), tok)
+        _ready(logits)
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
 
 
 def step_model(sizes: Sizes, table: list):
-    LlamaConfig, init_cache, make_step = model_api()
+    """SmolLM2-135M's architecture (random weights) decoding from ``ctx`` tokens of random
+    cache contents: a bf16 cache attended with ``jax.nn.dot_product_attention`` against the
+    compressed caches with the GPU kernel's modes, each in the same decode step (one cache
+    buffer per layer); then the example's own step (``examples.smollm2.make_step``: layers in a
+    ``lax.scan``, ``attend``'s default impl) at the first size."""
+    LlamaConfig, init_cache, make_step, decoder_layer, output_logits = model_api()
     names = {f.name for f in dataclasses.fields(LlamaConfig)}
-    kw = dict(rope_theta=100000.0, rms_eps=1e-5, context_length=8192, tied_embeddings=True, **sizes.model)
+    kw = dict(rope_theta=100000.0, rms_eps=1e-5, context_length=65536, tied_embeddings=True, **sizes.model)
     cfg = LlamaConfig(**{k: v for k, v in kw.items() if k in names})
     params = random_params(cfg, jax.random.key(5))
-    b, ctx, steps = sizes.model_batch, sizes.context, sizes.decode_steps
-    cap = ctx + steps + 8
-    prompt = jax.random.randint(jax.random.key(6), (b, ctx), 0, cfg.vocab_size, jnp.int32)
-    chunk = 1 if ctx <= 32 else 512  # tiny runs prefill with the decode step itself: one compile
-    kinds = [("bf16", "bf16", {}, None), ("tq 4/4 haar", "tq", dict(key_bits=4, value_bits=4), "xla"),
-             ("tq 4/4 haar", "tq", dict(key_bits=4, value_bits=4), "pallas_gpu"),
-             ("tq K4V3 hadamard", "tq", dict(key_bits=4, value_bits=3, rotation="hadamard"), "xla"),
-             ("tq K4V3 hadamard", "tq", dict(key_bits=4, value_bits=3, rotation="hadamard"), "pallas_gpu")]
-    kinds = kinds[: sizes.model_kinds]
-    bf16_ms = None
-    prefilled, plain = {}, jax.jit(make_step(cfg), donate_argnums=1)  # plain: kvcache.attend's default impl
-    for label, kind, ckw, impl in kinds:
-        key = (kind, tuple(sorted(ckw.items())))
-        if key not in prefilled:  # prefill with the default attend; not timed
-            cache = init_cache(cfg, kind, b, cap, **ckw)
-            for i in range(0, ctx, chunk):
-                _, cache = plain(params, cache, prompt[:, i : i + chunk])
-            prefilled[key] = _ready(cache)
-        cache = jax.tree.map(jnp.copy, prefilled[key])
-        calls = []
-        routed = impl is not None  # every named impl, "xla" too: the default is "auto" (the GPU kernel on a GPU)
-        with attend_impl(impl, calls) if routed else contextlib.nullcontext():
-            decode = jax.jit(make_step(cfg), donate_argnums=1) if routed else plain
-            tok = prompt[:, -1:]
-            logits, cache = decode(params, cache, tok)  # compile, warm-up
-            _ready(logits)
-        if routed and not calls:
-            table.append(("4 model", label, f"attend impl={impl}: not routed (the model binds attend directly)", None, None, None, None))
-            continue
-        ts = []
-        for _ in range(steps - 1):
-            tok = jnp.argmax(logits[:, -1:], axis=-1).astype(jnp.int32)
-            t0 = time.perf_counter()
-            logits, cache = decode(params, cache, tok)
-            _ready(logits)
-            ts.append(time.perf_counter() - t0)
-        ms = statistics.median(ts) * 1e3
-        bf16_ms = ms if kind == "bf16" else bf16_ms
-        nbytes = sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(cache))
-        what = f"{label}, attend impl={impl}" if impl else label
-        table.append(("4 model", f"batch {b}, {ctx} tokens of context", f"{what}: {b / (ms / 1e3):.0f} tokens/s, "
-                      f"cache {nbytes / 2**20:.0f} MiB", ms, None, None, ms / bf16_ms if bf16_ms else None))
-        print(f"  {what}: {ms:.2f} ms/step", flush=True)
-        del cache
+    steps, hkv, hd = sizes.decode_steps, cfg.kv_heads, cfg.head_dim
+    for bi, b in enumerate(sizes.model_batches):
+        for ci, ctx in enumerate(sizes.contexts):
+            cap = ctx + steps + 8
+            case = f"batch {b}, {ctx} tokens of context"
+            base_ms = None
+            for label, kind, ckw, impl, tuning in MODEL_KINDS[: sizes.model_kinds]:
+                keys = jax.random.split(jax.random.key(ctx + b), 2 * cfg.layers)
+                if kind == "bf16":
+                    caches = [(jax.random.normal(keys[2 * i], (b, cap, hkv, hd), jnp.bfloat16),
+                               jax.random.normal(keys[2 * i + 1], (b, cap, hkv, hd), jnp.bfloat16),
+                               jnp.full((b,), ctx, jnp.int32)) for i in range(cfg.layers)]
+                    step = layered_step(cfg, dpa_attend, decoder_layer, output_logits)
+                else:
+                    caches = [random_fill(kvcache.init(b, cap, hkv, hd, **ckw), keys[2 * i], ctx) for i in range(cfg.layers)]
+                    step = layered_step(cfg, tq_attend(impl, tuning), decoder_layer, output_logits)
+                nbytes = sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(caches))
+                try:
+                    ms = time_decode(step, params, caches, b, ctx, steps)
+                except Exception as e:  # a kind that does not compile is a row, not the end of the run
+                    table.append(("4 model", case, f"{label}: FAILED {type(e).__name__}: {str(e)[:200]}", None, None, None, None))
+                    continue
+                finally:
+                    del caches
+                base_ms = ms if kind == "bf16" else base_ms
+                table.append(("4 model", case, f"{label}: {b / (ms / 1e3):.0f} tokens/s, cache {nbytes / 2**20:.0f} MiB",
+                              ms, None, None, ms / base_ms if base_ms else None))
+                print(f"  {case} {label}: {ms:.2f} ms/step", flush=True)
+            if bi == 0 and ci == 0:  # what examples.smollm2 itself runs: one stacked cache in a lax.scan
+                cache = random_fill(init_cache(cfg, "tq", b, cap, **ATTEND_CACHES[0][1]), jax.random.key(7), ctx)
+                nbytes = sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(cache))
+                ex = jax.jit(make_step(cfg), donate_argnums=1)
+                ms = time_decode(lambda p, c, pos, tok: ex(p, c, tok), params, cache, b, ctx, steps)
+                label = "tq 4/4 in examples.smollm2's make_step (lax.scan over stacked layers), attend impl=auto"
+                table.append(("4 model", case, f"{label}: {b / (ms / 1e3):.0f} tokens/s, cache {nbytes / 2**20:.0f} MiB",
+                              ms, None, None, ms / base_ms if base_ms else None))
+                print(f"  {case} {label}: {ms:.2f} ms/step", flush=True)
+                del cache
 
 
 # --------------------------------------------------------------------------- compile check
