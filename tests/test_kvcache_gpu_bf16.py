@@ -121,12 +121,38 @@ def test_bf16_mode_through_attend_and_its_tuning_argument():
         kvcache.attend(cache, q, impl="xla", tuning=tuning)
 
 
+@pytest.mark.parametrize("kb,vb,page_size", [(4, 4, None), pytest.param(4, 3, 8, marks=pytest.mark.slow),
+                                              pytest.param(2, 4, 16, marks=pytest.mark.slow)])
+def test_pair_lookup_equals_the_gather_bit_for_bit(kb, vb, page_size):
+    rng = np.random.default_rng(kb + vb)
+    cache = kvcache.init(3, 48, H, D, key_bits=kb, value_bits=vb, rotation="haar", seed=11, page_size=page_size,
+                         dtype=jnp.float32, block_tokens=16, window=8, sinks=2)
+    cache, _, _ = fill(cache, rng, first=[16, 11, 16], second=[16, 16, 9])
+    q = jnp.asarray(rng.standard_normal((3, 1, H * 4, D)), jnp.bfloat16)
+    run = lambda t: np.asarray(jax.jit(lambda c, x: pallas_gpu.attend(c, x, interpret=True, tuning=t))(cache, q))  # noqa: E731
+    gather = run(pallas_gpu.Tuning(mode="bf16", block=16, splits=2))
+    np.testing.assert_array_equal(run(pallas_gpu.Tuning(mode="bf16", block=16, splits=2, lookup="pair")), gather)
+
+
+def test_pair_table_holds_both_nibbles_bf16_bits():
+    c = np.linspace(-1.5, 1.5, 16).astype(np.float32)
+    t = pallas_gpu.pair_table(c).view(np.uint32)
+    as_bf16 = lambda bits: (bits.astype(np.uint32) << 16).view(np.float32)  # noqa: E731
+    byte = np.arange(256)
+    np.testing.assert_array_equal(as_bf16(t & 0xFFFF), c.astype(jnp.bfloat16).astype(np.float32)[byte & 15])
+    np.testing.assert_array_equal(as_bf16(t >> 16), c.astype(jnp.bfloat16).astype(np.float32)[byte >> 4])
+    with pytest.raises(ValueError, match="16 centroids of 4-bit codes, got 8"):
+        pallas_gpu.pair_table(c[:8])
+
+
 def test_bf16_mode_defaults_and_bad_mode():
     assert pallas_gpu.Tuning().block_tokens == 64 and pallas_gpu.Tuning().mode == "exact"
     assert pallas_gpu.BF16_TUNING.block_tokens == 128 and pallas_gpu.BF16_TUNING.mode == "bf16"
     assert pallas_gpu.Tuning(mode="bf16", block=256).block_tokens == 256
     with pytest.raises(ValueError, match="`mode` must be one of \\('exact', 'bf16'\\), got 'fp8'"):
         pallas_gpu.Tuning(mode="fp8")
+    with pytest.raises(ValueError, match="`lookup='pair'` needs mode='bf16'"):
+        pallas_gpu.Tuning(lookup="pair")
 
 
 @pytest.mark.parametrize(
@@ -135,6 +161,7 @@ def test_bf16_mode_defaults_and_bad_mode():
         (4, 4, "haar", None, 4, 1, 128, pallas_gpu.BF16_TUNING),  # the benchmark's 4/4: bf16 dots on 64-wide lanes
         (3, 3, "hadamard", 16, 3, 1, 128, pallas_gpu.Tuning(mode="bf16", block=256, lookup="select")),  # 16-wide lanes
         (3, 2, "haar", 8, 4, 3, 64, pallas_gpu.Tuning(mode="bf16", num_warps=8)),  # 8-wide key lanes: multiply-reduce
+        (4, 3, "hadamard", 16, 4, 1, 128, pallas_gpu.Tuning(mode="bf16", lookup="pair")),  # pairs for K, gather for V
     ],
 )
 def test_bf16_mode_lowers_to_triton_ir_for_cuda(kb, vb, rotation, page_size, group, q_len, dim, tuning):

@@ -62,10 +62,10 @@ from tq_jax.kvcache import scoring as _scoring
 from tq_jax.kvcache.state import KVCache
 
 __all__ = ["attend", "partial", "Tuning", "DEFAULT_TUNING", "BF16_TUNING", "MODES", "LOOKUPS", "DOTS", "available",
-           "compiler_params"]
+           "compiler_params", "pair_table"]
 
 MODES = ("exact", "bf16")
-LOOKUPS = ("select", "gather")
+LOOKUPS = ("select", "gather", "pair")
 DOTS = ("bf16x3", "tf32x3", "ieee")
 DEFAULT_BLOCK = {"exact": 64, "bf16": 128}  # tokens per loop step when ``Tuning.block`` is None
 MIN_DOT = 16  # Triton's smallest dot dimension
@@ -94,8 +94,11 @@ class Tuning:
             programs in all, at most one range per block).
         lookup: ``"gather"`` (loads from the 2**bits-entry table, L1-resident; the
             default: on an H200 as fast as the select tree at 4 bits and 9.6x faster at 3,
-            benchmarks/results/accelerator_nvidia_h200.md) or ``"select"`` (a select tree
-            on compile-time constants).
+            benchmarks/results/accelerator_nvidia_h200.md), ``"select"`` (a select tree
+            on compile-time constants) or, in the bf16 mode only, ``"pair"``: a 4-bit side
+            loads both lanes of a code byte at once, one 32-bit entry of a 256-entry table
+            of bf16 pairs (no shift or mask per index, half the loads; other widths
+            gather). Not yet timed on a GPU: step 3's sweep measures it.
         dot: the compiled dots' algorithm: ``"bf16x3"`` and ``"tf32x3"`` run on tensor
             cores at about float32 accuracy, ``"ieee"`` is float32 FMAs (the interpreter
             always computes in float32).
@@ -127,7 +130,11 @@ class Tuning:
             raise ValueError(f"`lookup` must be one of {LOOKUPS}, got {self.lookup!r}.")
         if self.dot not in DOTS:
             raise ValueError(f"`dot` must be one of {DOTS}, got {self.dot!r}.")
-
+        if self.lookup == "pair" and self.mode != "bf16":
+            raise ValueError(
+                "`lookup='pair'` needs mode='bf16', got mode='exact': its table holds bf16 pairs; the exact "
+                "mode's lookups are float32 ('gather' or 'select')."
+            )
 
     @property
     def block_tokens(self) -> int:
@@ -229,9 +236,23 @@ def _mm(a, b, *, trans_b: bool, precision):
     return jnp.sum(a[:, :, None] * b[None, :, :], axis=1)  # [M, K] x [K, N]
 
 
+def pair_table(centroids: np.ndarray) -> np.ndarray:
+    """int32 ``[256]``: entry ``byte`` holds the bf16 bit patterns of the centroids of both
+    4-bit indices of a code byte, lane 0 (the low nibble, LSB first) in the low 16 bits,
+    lane 1 (the high nibble) in the high 16 bits."""
+    if len(centroids) != 16:
+        raise ValueError(f"a pair table needs the 16 centroids of 4-bit codes, got {len(centroids)}.")
+    bits = np.asarray(centroids, np.float32).astype(jnp.bfloat16).view(np.uint16).astype(np.uint32)  # numpy, ml_dtypes
+    byte = np.arange(256)
+    return (bits[byte & 15] | (bits[byte >> 4] << np.uint32(16))).view(np.int32)
+
+
 def _kernel(hi_ref, lo_ref, table_ref, last_ref, q_ref, kc_ref, kn_ref, vc_ref, vn_ref, *refs, st):
     """One (sequence, KV head, row tile, split). ``st`` holds the static facts (a dict)."""
-    if st["lookup"] == "gather":
+    kpair_ref = vpair_ref = None
+    if st["lookup"] == "pair":
+        ktab_ref, vtab_ref, kpair_ref, vpair_ref, m_ref, l_ref, acc_ref = refs
+    elif st["lookup"] == "gather":
         ktab_ref, vtab_ref, m_ref, l_ref, acc_ref = refs
     else:
         m_ref, l_ref, acc_ref = refs
@@ -248,13 +269,23 @@ def _kernel(hi_ref, lo_ref, table_ref, last_ref, q_ref, kc_ref, kn_ref, vc_ref, 
     q = [q_ref[i] for i in range(gk * st["q_terms"])]  # [Rp, Wk] per key lane (bf16: hi terms, then lo terms)
 
     def lookup(idx, bits, which):
-        if st["lookup"] == "gather":
+        if st["lookup"] in ("gather", "pair"):
             return (ktab_ref if which == "k" else vtab_ref)[idx]
         return _select_lookup(idx, st["kc"] if which == "k" else st["vc"], bits, cdt)
 
     def lanes(codes_ref, rows, bits, per_group, g):
         planes = [codes_ref[rows, h, :, j].astype(jnp.int32) & 0xFF for j in range(per_group)]
         return [_lane(planes, i, bits) for i in range(g)]
+
+    def dequantized(codes_ref, rows, bits, per_group, g, which):
+        """The block's vectors in planar lanes, ``g`` tiles ``[T, W]`` of ``cdt``."""
+        pair_ref = kpair_ref if which == "k" else vpair_ref
+        if pair_ref is not None and bits == 4:  # both lanes of a byte from one 32-bit entry
+            w = pair_ref[codes_ref[rows, h, :, 0].astype(jnp.int32) & 0xFF]  # [T, W] int32
+            low = lax.bitcast_convert_type(lax.shift_left(w, jnp.int32(16)), jnp.float32)  # exact bf16 values
+            high = lax.bitcast_convert_type(w & jnp.int32(-65536), jnp.float32)
+            return [low.astype(cdt), high.astype(cdt)]
+        return [lookup(idx, bits, which) for idx in lanes(codes_ref, rows, bits, per_group, g)]
 
     def body(j, carry):
         m, l, acc = carry
@@ -265,8 +296,7 @@ def _kernel(hi_ref, lo_ref, table_ref, last_ref, q_ref, kc_ref, kn_ref, vc_ref, 
         kn = jnp.where(coded, kn_ref[rows, h].astype(jnp.float32), 0.0)
         vn = jnp.where(coded, vn_ref[rows, h].astype(jnp.float32), 0.0)
         sc = None
-        for i, idx in enumerate(lanes(kc_ref, rows, kbits, st["pgk"], gk)):
-            k = lookup(idx, kbits, "k")  # [T, Wk]: the block's keys, dequantized once
+        for i, k in enumerate(dequantized(kc_ref, rows, kbits, st["pgk"], gk, "k")):  # [T, Wk]: dequantized once
             for qi in q[i::gk]:
                 part = _mm(qi, k, trans_b=True, precision=precision)  # [Rp, T]
                 sc = part if sc is None else sc + part
@@ -279,8 +309,8 @@ def _kernel(hi_ref, lo_ref, table_ref, last_ref, q_ref, kc_ref, kn_ref, vc_ref, 
         l = alpha * l + jnp.sum(p, axis=1)
         pv = (p * vn[None, :]).astype(cdt)  # bf16 mode: the probabilities rounded as dense bf16 attention's
         acc = tuple(
-            alpha[:, None] * a + _mm(pv, lookup(idx, vbits, "v"), trans_b=False, precision=precision)
-            for a, idx in zip(acc, lanes(vc_ref, rows, vbits, st["pgv"], st["gv"]))
+            alpha[:, None] * a + _mm(pv, v, trans_b=False, precision=precision)
+            for a, v in zip(acc, dequantized(vc_ref, rows, vbits, st["pgv"], st["gv"], "v"))
         )
         return m_new, l, acc
 
@@ -381,8 +411,12 @@ def partial(cache: KVCache, query: _scoring.Query, *, interpret: bool, tuning: T
         pl.BlockSpec((None, rt), lambda b, h, s: (b, s // ns)),
         pl.BlockSpec((None, None, qp.shape[2], rt, wk), lambda b, h, s: (b, h, 0, s // ns, 0)),
     ] + [whole(a) for a in inputs[5:]]
-    if tuning.lookup == "gather":
+    if tuning.lookup in ("gather", "pair"):
         inputs += [jnp.asarray(ktab, cdt), jnp.asarray(vtab, cdt)]
+        in_specs += [whole(a) for a in inputs[-2:]]
+    if tuning.lookup == "pair":
+        pairs = [pair_table(t) if b == 4 else np.zeros(256, np.int32) for t, b in ((ktab, cfg.key_bits), (vtab, cfg.value_bits))]
+        inputs += [jnp.asarray(t) for t in pairs]
         in_specs += [whole(a) for a in inputs[-2:]]
     out_shape = [
         jax.ShapeDtypeStruct((batch, heads, ns, rp), jnp.float32),
