@@ -382,7 +382,8 @@ def step_attend(sizes: Sizes, table: list):
                     sweep = [("exact", dict(block=128)), ("exact", dict(dot="tf32x3")), ("exact", dict(num_warps=8)),
                              ("bf16", dict(block=64)), ("bf16", dict(block=256)), ("bf16", dict(block=512)),
                              ("bf16", dict(num_warps=8)), ("bf16", dict(block=256, num_warps=8)),
-                             ("bf16", dict(num_stages=3)), ("bf16", dict(lookup="select")), ("bf16", dict(splits=1))]
+                             ("bf16", dict(num_stages=3)), ("bf16", dict(lookup="select")), ("bf16", dict(lookup="pair")),
+                             ("bf16", dict(block=256, lookup="pair")), ("bf16", dict(splits=1))]
                     for mode, tun in sweep:
                         tuning = pallas_gpu.Tuning(mode=mode, **tun)
                         name = ", ".join(f"{k} {v}" for k, v in tun.items())
