@@ -86,7 +86,7 @@ FULL = Sizes(
     tokens=(8192, 32768, 131072),
     batches=(1, 8, 32), xla_batch=8, kv_heads=8, group=4, dim=128, reps=10,
     model=dict(vocab_size=49152, hidden=576, layers=30, heads=9, kv_heads=3, head_dim=64, ffn=1536),
-    model_batches=(8, 32), contexts=(4096, 16384), decode_steps=16, kv_cases=4, model_kinds=5, variants=True,
+    model_batches=(8, 32), contexts=(4096, 16384), decode_steps=16, kv_cases=4, model_kinds=4, variants=True,
 )
 SMOKE = Sizes(
     codec=(("W1/64", (2, 2, 16, 2, 128)),),
