@@ -2,7 +2,7 @@
 
 Give it the same JSON as the server's ``--l2-adapter``::
 
-    python -m tq_jax.bridge.smoke --l2-adapter '{"type": "fs", "base_path": "/mnt/kv",
+    python -m tq_jax.bridge.smoke --l2-adapter '{"type": "fs", "base_path": "./tq-jax-kv",
         "serde": {"type": "tq_jax", "head_dim": 128, "bits": 4}}'
 
 It registers the tq_jax serde (as :mod:`tq_jax.bridge.launch` does), builds a real LMCache
@@ -263,7 +263,7 @@ def _adapter_spec(text: str) -> dict:
     if not isinstance(spec, dict) or not isinstance(spec.get("type"), str):
         raise ValueError(
             f"--l2-adapter must be a JSON object with a string \"type\" (e.g. {{\"type\": \"fs\", "
-            f"\"base_path\": \"/mnt/kv\", \"serde\": {{...}}}}), got {text!r}."
+            f"\"base_path\": \"./tq-jax-kv\", \"serde\": {{...}}}}), got {text!r}."
         )
     return spec
 
