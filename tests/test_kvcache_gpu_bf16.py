@@ -105,6 +105,42 @@ def test_bf16_mode_error_is_within_dense_bf16_attentions(rotation, kb, vb, group
     assert kernel <= BOUND * dpa, (kernel, dpa, kernel / dpa)
 
 
+@pytest.mark.parametrize("init_kw,group,page_size,window,sinks", [
+    pytest.param(dict(key_bits=4, value_bits=4, rotation="haar"), 4, None, 0, 0, id="4/4-haar-gqa4-unpaged"),
+    pytest.param(dict(options="turbo-3.5"), 4, 16, 16, 4, marks=pytest.mark.slow, id="turbo-3.5-gqa4-page16-w16s4"),
+    pytest.param(dict(key_bits=3, value_bits=3, rotation="hadamard"), 3, 8, 0, 0, marks=pytest.mark.slow,
+                 id="3/3-hadamard-gqa3-page8"),
+])
+def test_bf16_mode_bound_at_head_dim_128(init_kw, group, page_size, window, sinks):
+    """The benchmark's head_dim (64-wide 4-bit lanes, 16-wide 3-bit lanes), a preset with norm
+    correction among them: the reference decodes each sequence's ``export``, which equals
+    ``dumps`` of its K/V (tests/test_kvcache.py)."""
+    dim, heads, batch = 128, 2, 2
+    rng = np.random.default_rng(group + window)
+    cache = kvcache.init(batch, 64, heads, dim, seed=11, page_size=page_size, dtype=jnp.float32, block_tokens=16,
+                         window=window, sinks=sinks, **init_kw)
+    n = [40, 29]
+    k = rng.standard_normal((batch, 40, heads, dim)).astype(np.float32)
+    v = rng.standard_normal((batch, 40, heads, dim)).astype(np.float32)
+    cache = kvcache.append(cache, k, v, new_lengths=np.array(n))
+    q = jnp.asarray(rng.standard_normal((batch, 1, heads * group, dim)), jnp.bfloat16)
+    out = np.asarray(jax.jit(lambda c, x: pallas_gpu.attend(c, x, interpret=True, tuning=pallas_gpu.Tuning(
+        mode="bf16", block=16, splits=2)))(cache, q), np.float64)
+    q64 = np.asarray(q, np.float64)
+    refs, dpas = [], []
+    for b in range(batch):
+        kv = np.asarray(tq_jax.loads(kvcache.export(cache, seq=b), dtype=jnp.float32))
+        kb, vb = kv[0, 0].copy(), kv[1, 0].copy()
+        t = np.arange(n[b])
+        exact = (t >= n[b] - window) | (t < sinks)
+        kb[exact], vb[exact] = k[b, : n[b]][exact], v[b, : n[b]][exact]
+        refs.append(dense_attention(q64[b], kb, vb))
+        dpas.append(_dpa_bf16(q64[b], kb, vb))
+    ref = np.stack(refs)
+    kernel, dpa = _rms_err(out, ref), _rms_err(np.stack(dpas), ref)
+    assert kernel <= BOUND * dpa, (kernel, dpa, kernel / dpa)
+
+
 def test_bf16_mode_through_attend_and_its_tuning_argument():
     rng = np.random.default_rng(3)
     cache = kvcache.init(3, 48, H, D, key_bits=4, value_bits=3, rotation="hadamard", seed=11, page_size=8,
