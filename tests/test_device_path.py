@@ -6,6 +6,7 @@ pipeline in normal use (their memory is host memory); the ``resident`` fixture r
 the accelerator path on them.
 """
 
+import itertools
 import os
 import subprocess
 import sys
@@ -18,6 +19,8 @@ import pytest
 
 import tq_jax
 from tq_jax import blob
+from tq_jax import blocks as blocks_mod
+from tq_jax import program as program_mod
 from tq_jax import resident as resident_mod
 
 from conftest import sweep
@@ -53,10 +56,23 @@ def _input(shape, dtype, seed=0):
     return np.random.default_rng(seed).standard_normal(shape, np.float32).astype(jnp.dtype(dtype))
 
 
-@pytest.fixture
-def resident(monkeypatch):
-    """Run the accelerator (device-resident) path on CPU devices."""
+@pytest.fixture(params=resident_mod.EXECUTORS)
+def resident(request, monkeypatch):
+    """Run the accelerator path on CPU devices, with each executor (the compiled
+    program, and the per-block dispatch kept beside it); yields the executor's name."""
     monkeypatch.setattr(resident_mod, "ON_CPU", True)
+    monkeypatch.setattr(resident_mod, "EXECUTOR", request.param)
+    return request.param
+
+
+def _spy_encoder(monkeypatch, executor: str, seen: list) -> None:
+    """Record the device each encoder of ``executor`` is built for."""
+    if executor == "program":
+        real = program_mod.encoder
+        monkeypatch.setattr(program_mod, "encoder", lambda *a: seen.append(a[2]) or real(*a))
+    else:
+        real = resident_mod.encoder
+        monkeypatch.setattr(resident_mod, "encoder", lambda *a: seen.append(a[-1]) or real(*a))
 
 
 @pytest.fixture
@@ -67,7 +83,7 @@ def no_host_copy(resident, monkeypatch):
         raise AssertionError("the jax.Array input went through the host path")
 
     monkeypatch.setattr(blob, "_host_view", refuse)
-    monkeypatch.setattr(blob, "_encode_vectors", refuse)
+    monkeypatch.setattr(blocks_mod, "encode_plan", refuse)
 
 
 @pytest.mark.parametrize("shape,dtype,kw,block", CASES)
@@ -77,14 +93,13 @@ def test_jax_array_gives_the_numpy_bytes(shape, dtype, kw, block, resident, monk
     want = tq_jax.dumps(x, options=opts, block_vectors=block)
     xj = jnp.asarray(x)
     seen = []
-    real = resident_mod.encoder
-    monkeypatch.setattr(resident_mod, "encoder", lambda *a: seen.append(a[-1]) or real(*a))
+    _spy_encoder(monkeypatch, resident, seen)
     monkeypatch.setattr(blob, "_host_view", lambda *a: pytest.fail("host path taken"))
     # Implicit device->host transfers are refused (on CPU arrays this guard is lenient,
     # hence the host-path spies above); the packed result comes back by device_get.
     with jax.transfer_guard_device_to_host("disallow"):
         got = tq_jax.dumps(xj, options=opts, block_vectors=block)
-    assert seen == [jax.devices()[0]]
+    assert seen and set(seen) == {jax.devices()[0]}
     assert got == want
     buf = bytearray(len(want) + 3)
     with jax.transfer_guard_device_to_host("disallow"):
@@ -100,11 +115,12 @@ def test_loads_on_a_device_equals_loads(shape, dtype, kw, block, monkeypatch):
 
 def _check_resident_loads(b, block, monkeypatch):
     dev = jax.devices()[0]
-    for out_dtype in (None, jnp.float32):
+    for out_dtype, executor in itertools.product((None, jnp.float32), resident_mod.EXECUTORS):
         want = np.asarray(tq_jax.loads(b, dtype=out_dtype, block_vectors=block))  # the host pipeline
         with monkeypatch.context() as m:
             m.setattr(resident_mod, "ON_CPU", True)
-            m.setattr(blob, "_decode_parsed", lambda *a: pytest.fail("host output buffer used"))
+            m.setattr(resident_mod, "EXECUTOR", executor)
+            m.setattr(blocks_mod, "decode_plan", lambda *a: pytest.fail("host output buffer used"))
             got = tq_jax.loads(b, dtype=out_dtype, block_vectors=block, device=dev)
         assert isinstance(got, jax.Array) and got.devices() == {dev}
         assert got.dtype == want.dtype and got.shape == want.shape
@@ -134,9 +150,11 @@ def test_cpu_devices_keep_the_zero_copy_host_pipeline(monkeypatch):
     assert not resident_mod.ON_CPU
     monkeypatch.setattr(resident_mod, "decode", lambda *a: pytest.fail("resident decode on a CPU device"))
     monkeypatch.setattr(resident_mod, "encoder", lambda *a: pytest.fail("resident encode on a CPU device"))
+    monkeypatch.setattr(program_mod, "encoder", lambda *a: pytest.fail("program encode on a CPU device"))
+    monkeypatch.setattr(program_mod, "decoder", lambda *a: pytest.fail("program decode on a CPU device"))
     filled = []
-    real = blob._decode_parsed
-    monkeypatch.setattr(blob, "_decode_parsed", lambda p, out, *a: filled.append(out) or real(p, out, *a))
+    real = blocks_mod.decode_plan
+    monkeypatch.setattr(blocks_mod, "decode_plan", lambda p, plan, out, *a: filled.append(out) or real(p, plan, out, *a))
     x = _input((4, 40, 64), "float32")
     b = tq_jax.dumps(x, bits=4)
     out = tq_jax.loads(b, device=jax.devices()[0])
@@ -195,7 +213,7 @@ def test_options_argument():
 def test_four_host_devices_encode_and_decode_where_asked():
     code = """
     import jax, jax.numpy as jnp, numpy as np, tq_jax
-    from tq_jax import resident
+    from tq_jax import program, resident
     devs = jax.devices()
     assert len(devs) == 4, devs
     x = np.random.default_rng(0).standard_normal((2, 4, 300, 2, 64), np.float32).astype(jnp.bfloat16)
@@ -203,8 +221,8 @@ def test_four_host_devices_encode_and_decode_where_asked():
     want = tq_jax.dumps(x, options=opts)
     resident.ON_CPU = True  # the accelerator path, on CPU devices
     seen = []
-    real = resident.encoder
-    resident.encoder = lambda *a: seen.append(a[-1]) or real(*a)
+    real = program.encoder
+    program.encoder = lambda *a: seen.append(a[2]) or real(*a)
     on3 = jax.device_put(x, devs[3])
     assert tq_jax.dumps(on3, options=opts) == want
     assert seen == [devs[3]], seen

@@ -47,7 +47,7 @@ __all__ = tuple(sorted(_EXPORTS))
 # raises the ImportError that says so.
 _SUBMODULES = (
     "batch", "bench", "blob", "blocks", "bridge", "cli", "codebook", "codec", "distributed", "kvcache",
-    "norms", "options", "packing", "resident", "rotation", "safetensors_io", "wire",
+    "norms", "options", "packing", "plan", "program", "resident", "rotation", "safetensors_io", "wire",
 )
 
 

@@ -1,16 +1,21 @@
 """Tensors ↔ TQ01 blobs: :func:`dumps`, :func:`dump_into`, :func:`serialized_size`,
 :func:`loads`, :func:`load_into`.
 
+Every call first resolves its request once into a :class:`~tq_jax.plan.Plan`
+(:func:`tq_jax.plan.for_tensor` from shape, dtype and options; :func:`tq_jax.plan.for_header`
+from a parsed header); the executors read only the plan.
+
 The host pipeline: a tensor's vectors run block by block through the codec
 (:mod:`tq_jax.blocks` cuts, pads to bucket sizes and dispatches them) and the codec's
-output is written through :mod:`tq_jax.wire`'s write API. A ``jax.Array`` on an
-accelerator (and ``loads(device=)`` for one) takes the device-resident path instead
-(:mod:`tq_jax.resident`); the bytes do not depend on the path.
+output is written through :mod:`tq_jax.wire`'s write API. Data for an accelerator — a
+``jax.Array`` living there, a host tensor with ``device=`` one, ``loads(device=)`` or
+``load_into(device=)`` of one — takes the device path instead (:mod:`tq_jax.resident`
+decides): one compiled program writes the whole blob in device memory
+(:mod:`tq_jax.program`), or reads it there. The bytes do not depend on the path.
 """
 
 from __future__ import annotations
 
-import collections
 import math
 
 import jax
@@ -21,6 +26,8 @@ from tq_jax import blocks as _blocks
 from tq_jax import codec as _codec
 from tq_jax import norms as _norms
 from tq_jax import options as _options
+from tq_jax import plan as _plan
+from tq_jax import program as _program
 from tq_jax import resident as _resident
 from tq_jax import wire as _wire
 from tq_jax.blocks import DEFAULT_BLOCK_COORDS, bucket  # re-exported: part of blob's API
@@ -81,30 +88,6 @@ def _check_tensor(x: np.ndarray) -> str:
 # --------------------------------------------------------------------------- encode
 
 
-def _encode_vectors(flat: np.ndarray, cfg: _codec.CodecConfig, block_vectors, devices):
-    """Run the codec over host vectors ``flat`` (n, d) block by block: ([stream chunks], norms f32 (n,))."""
-    block = _blocks.block_vectors_for(flat.shape[1], block_vectors, devices)
-    staging = _blocks.Staging(_blocks.IN_FLIGHT * len(devices) + 1)  # see _blocks.Staging: one more than in flight
-
-    def put(start, nb, rows, device):
-        return staging.put(flat[start : start + nb], rows, device)
-
-    return _blocks.encode_blocks(put, flat.shape[0], cfg, block, devices, np.asarray)
-
-
-def _group_view(host: np.ndarray, header: _wire.Header, g, lo, hi) -> np.ndarray:
-    """The vectors of one segment as a C-contiguous (n, d) view (no copy)."""
-    if g is None:
-        return host.reshape(-1, header.dim)
-    return host[g, lo:hi].reshape(-1, header.dim)
-
-
-def _raw_bytes(host: np.ndarray, header: _wire.Header) -> list:
-    return [
-        memoryview(np.ascontiguousarray(host[g, lo:hi]).reshape(-1).view(np.uint8)) for g, lo, hi in header.raw_ranges()
-    ]
-
-
 def _norm_overflow(norms: list) -> tuple[int, int, float]:
     count, total, largest = 0, 0, 0.0
     for n in norms:
@@ -132,43 +115,58 @@ def _single_device(x, device):
     return device if device is not None else next(iter(held))
 
 
-def _encode(x, options: _options.Options, block_vectors, device):
-    """Encode ``x`` under ``options``: (header, ``wire.pieces`` of the blob)."""
-    dev = _single_device(x, device)
-    if dev is not None and _resident.takes(dev):
-        dtype = _check_tensor(x)
-        shape = tuple(x.shape)
-        header = options.header(shape, dtype)  # validates the shape for the options
-        encoded, raw = _resident.encode(x, header, options, block_vectors, dev)
-    else:
-        host = _host_view(x)
-        dtype = _check_tensor(host)
-        host = np.ascontiguousarray(host)
-        shape = host.shape
-        header = options.header(shape, dtype)  # validates the shape for the options
-        devices = _blocks.device_list(device if dev is None else dev)
-        encoded = []
-        for g, _, lo, hi, _ in header.segments():
-            cfg = options.codec_config(header.dim, 1 if g == 1 else 0)  # g None: one group, key_bits
-            encoded.append(_encode_vectors(_group_view(host, header, g, lo, hi), cfg, block_vectors, devices))
-        raw = _raw_bytes(host, header) if header.version == _wire.VERSION_2 else []
+# A host tensor bigger than this that is to be encoded on an accelerator goes there
+# block by block (the host block driver) rather than whole, so that the device never
+# holds more than a few blocks of it (the program needs the input, the blob and one
+# block's temporaries in device memory at once).
+HOST_INPUT_LIMIT = 1 << 30
 
-    if not options.norm_bits:
+
+def _program_device(x, device):
+    """The device whose compiled program encodes ``x`` (:mod:`tq_jax.program`), or None
+    for the host block driver: a ``jax.Array`` on an accelerator (or ``device=`` one),
+    or host data of at most :data:`HOST_INPUT_LIMIT` bytes with ``device=`` an
+    accelerator (or none given and JAX's default one is). :mod:`tq_jax.resident`
+    decides which devices take the device path and which executor runs there."""
+    dev = _single_device(x, device)
+    if dev is None:
+        if isinstance(x, jax.Array) or not (device is None or isinstance(device, jax.Device)):
+            return None  # sharded or traced input, or a sequence of devices: blocks in turn
+        if _resident.EXECUTOR != "program" or x.nbytes > HOST_INPUT_LIMIT:
+            return None
+        dev = _blocks.default_device() if device is None else device
+    return dev if _resident.takes(dev) else None
+
+
+def _encode(x, options: _options.Options, block_vectors, device):
+    """Encode ``x`` under ``options``: (the plan written, its bytes as ``wire.pieces``
+    or one host uint8 array)."""
+    if not isinstance(x, (np.ndarray, jax.Array)):
+        x = _host_view(x)
+    dev = _program_device(x, device)
+    arr = x if dev is not None and isinstance(x, jax.Array) else np.ascontiguousarray(_host_view(x))
+    plan = _plan.for_tensor(tuple(arr.shape), _check_tensor(arr), options)  # the one read of the options
+    if dev is not None and _resident.EXECUTOR == "program" and _program.fits(plan):
+        return _program.encode(plan, arr, block_vectors, dev)
+    if dev is not None:
+        encoded, raw = _resident.encode(arr, plan, block_vectors, dev)
+    else:
+        encoded, raw = _blocks.encode_plan(arr, plan, block_vectors, _blocks.device_list(device))
+    if plan.overflow != "keep":
         count, total, largest = _norm_overflow([n for _, n in encoded])
-        if count and options.norm_dtype == "float16":
+        if count and plan.overflow == "raise":
             raise NormOverflowError(NORM_OVERFLOW.format(count=count, total=total, largest=largest))
-        if count or options.norm_dtype == "float32":
-            header = options.header(shape, dtype, norm_dtype="float32")
-    ndt = np.float32 if header.norm_dtype == "float32" else np.float16
+        if count:
+            plan = plan.widened
     norm_sections = []
-    for (_, norms), (_, _, _, _, n_vec) in zip(encoded, header.segments()):
-        if header.norm_bits:
-            ranges, codes = _norms.encode_log_norms(norms, header.norm_groups(n_vec), header.norm_bits)
-            norm_sections.append(_wire.NormCodes(ranges, codes, header.norm_bits, n_vec))
+    for (_, norms), s in zip(encoded, plan.segments):
+        if plan.norm_bits:
+            ranges, codes = _norms.encode_log_norms(norms, s.norm_groups, plan.norm_bits)
+            norm_sections.append(_wire.NormCodes(ranges, codes, plan.norm_bits, s.n_vectors))
         else:
-            norm_sections.append(norms.astype(ndt))
+            norm_sections.append(norms.astype(np.float32 if plan.norm_dtype == "float32" else np.float16))
     sections = _wire.Sections([chunks for chunks, _ in encoded], norm_sections, tuple(raw))
-    return header, _wire.pieces(header, sections)  # the CRC32 trailer included when asked for
+    return plan, _wire.pieces(plan.header, sections)  # the CRC32 trailer included when asked for
 
 
 def _resolve(bits, options, kwargs: dict) -> _options.Options:
@@ -240,10 +238,10 @@ def dumps(x, bits=None, *, options=None, block_vectors: int | None = None, devic
         ValueError: unsupported bits/dtype/shape/option.
         NormOverflowError: ``norm_dtype="float16"`` and a finite norm exceeds 65504.
     """
-    header, pieces = _encode(x, _resolve(bits, options, kwargs), block_vectors, device)
-    out = b"".join(pieces)  # one allocation, no extra copy
-    if len(out) != _wire.blob_nbytes(header):
-        raise AssertionError(f"tq_jax wrote {len(out)} bytes, its header implies {_wire.blob_nbytes(header)}")
+    plan, pieces = _encode(x, _resolve(bits, options, kwargs), block_vectors, device)
+    out = pieces.tobytes() if isinstance(pieces, np.ndarray) else b"".join(pieces)  # one allocation, no extra copy
+    if len(out) != plan.nbytes:
+        raise AssertionError(f"tq_jax wrote {len(out)} bytes, its header implies {plan.nbytes}")
     return out
 
 
@@ -270,13 +268,13 @@ def dump_into(x, out, bits=None, *, options=None, block_vectors: int | None = No
             f"output buffer holds {len(mv)} bytes but this blob needs {need}: allocate "
             f"tq_jax.serialized_size(shape, dtype, ...) bytes."
         )
-    header, pieces = _encode(arr, opts, block_vectors, device)
-    if _wire.blob_nbytes(header) > len(mv):  # "auto" norms grew to float32
+    plan, pieces = _encode(arr, opts, block_vectors, device)
+    if plan.nbytes > len(mv):  # "auto" norms grew to float32
         raise ValueError(
-            f"output buffer holds {len(mv)} bytes but this blob needs {_wire.blob_nbytes(header)}: some "
+            f"output buffer holds {len(mv)} bytes but this blob needs {plan.nbytes}: some "
             f"norms overflow float16, so they are stored as float32. Pin norm_dtype to size buffers in advance."
         )
-    return _wire.write_into(pieces, mv)
+    return _wire.write_into([pieces] if isinstance(pieces, np.ndarray) else pieces, mv)
 
 
 # --------------------------------------------------------------------------- decode
@@ -286,40 +284,17 @@ def _np_dtype(dtype):
     return np.dtype(jnp.dtype(dtype))
 
 
-def _decode_vectors(stream, norms, out_flat, cfg, block_vectors, devices, qjl=None):
-    """Decode one segment's stream + norms into the host array ``out_flat`` (n, d),
-    at most ``_blocks.IN_FLIGHT`` blocks per device ahead of the copies out."""
-    n_vec, dim = out_flat.shape
-    block = _blocks.block_vectors_for(dim, block_vectors, devices)
-    pending = collections.deque()
-    staging = _blocks.Staging(_blocks.IN_FLIGHT * len(devices) + 1)  # see _blocks.Staging: one more than in flight
-
-    def collect():
-        start, nb, res = pending.popleft()
-        out_flat[start : start + nb] = np.asarray(res).reshape(-1, dim)[:nb]  # a view
-
-    for item in _blocks.decode_blocks(stream, norms, cfg, n_vec, block, jnp.dtype(out_flat.dtype), devices, staging.put, qjl):
-        pending.append(item)
-        if len(pending) > _blocks.IN_FLIGHT * len(devices):
-            collect()
-    while pending:
-        collect()
+def _program_target(device):
+    """The device whose compiled program decodes a blob (see :func:`_program_device`), or None."""
+    target = _blocks.default_device() if device is None else device
+    return target if isinstance(target, jax.Device) and _resident.takes(target) else None
 
 
-def _decode_parsed(p: _wire.Parsed, out: np.ndarray, block_vectors, device) -> None:
-    h = p.header
-    devices = _blocks.device_list(device)
-    out = out.reshape(h.shape)
-    segments, qjl = _blocks.segment_inputs(p, devices)
-    for (g, _, lo, hi, _), (cfg, stream, norms) in zip(h.segments(), segments):
-        _decode_vectors(stream, norms, _group_view(out, h, g, lo, hi), cfg, block_vectors, devices, qjl)
-    src_dt = _np_dtype(jnp.dtype(h.dtype))
-    off = 0
-    for g, lo, hi in h.raw_ranges():
-        part = out[g, lo:hi]
-        n = part.size * src_dt.itemsize
-        part[...] = p.raw[off : off + n].view(src_dt).reshape(part.shape)
-        off += n
+def _blob_bytes(blob) -> np.ndarray:
+    """A parsed blob's bytes as a 1-D uint8 array (a view when it already is one)."""
+    if isinstance(blob, np.ndarray):
+        return np.ascontiguousarray(blob).reshape(-1)
+    return np.frombuffer(memoryview(blob).cast("B"), np.uint8)
 
 
 def _check_out_dtype(dtype):
@@ -353,12 +328,15 @@ def loads(blob, *, dtype=None, block_vectors: int | None = None, device=None) ->
         WireError: the blob is malformed or corrupt (one subclass per cause).
     """
     p = _wire.parse(blob)
+    plan = _plan.for_header(p.header)
     dt = _check_out_dtype(p.header.dtype if dtype is None else dtype)
-    target = _blocks.default_device() if device is None else device
-    if isinstance(target, jax.Device) and _resident.takes(target):  # decoded where it will live
-        return _resident.decode(p, dt, block_vectors, target)
+    target = _program_target(device)
+    if target is not None:  # decoded where it will live
+        if _resident.EXECUTOR == "program" and _program.fits(plan):
+            return _program.decode(plan, p, _blob_bytes(blob), dt, block_vectors, target)
+        return _resident.decode(p, plan, dt, block_vectors, target)
     out = _blocks.aligned_empty(p.header.shape, _np_dtype(dt))
-    _decode_parsed(p, out, block_vectors, device)
+    _blocks.decode_plan(p, plan, out, block_vectors, _blocks.device_list(device))
     # Zero-copy on CPU: `out` is 64-byte aligned. With several devices the result
     # lands on the first.
     return jax.device_put(out, _blocks.device_list(device)[0])
@@ -385,5 +363,12 @@ def load_into(blob, out: np.ndarray, *, block_vectors: int | None = None, device
             f"the destination must have the same number of values and a last axis that is a "
             f"multiple of head_dim={h.dim}."
         )
-    _decode_parsed(p, out, block_vectors, device)
+    plan = _plan.for_header(h)
+    target = _program_target(device)
+    if target is not None and _resident.EXECUTOR == "program" and _program.fits(plan):
+        # one transfer in, one program, one transfer back into `out`
+        arr = _program.decode(plan, p, _blob_bytes(blob), out.dtype, block_vectors, target)
+        out.reshape(plan.shape)[...] = np.asarray(jax.device_get(arr))
+        return h
+    _blocks.decode_plan(p, plan, out, block_vectors, _blocks.device_list(device))
     return h

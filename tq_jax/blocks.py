@@ -15,7 +15,9 @@ device ahead of the results, so host copies overlap device work. On the CPU back
 64-byte-aligned host buffers are shared with XLA without a copy (:class:`Staging`).
 
 Used by :mod:`tq_jax.blob` (the host pipeline) and :mod:`tq_jax.resident` (the
-device-resident path); neither re-derives what is decided here.
+per-block device path); neither re-derives what is decided here. What to encode — the
+segments, their codecs and sizes — comes from a :class:`tq_jax.plan.Plan`; the device
+program (:mod:`tq_jax.program`) cuts the same blocks inside one compiled program.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ __all__ = [
     "encode_blocks",
     "decode_blocks",
     "segment_inputs",
+    "rows",
+    "encode_plan",
+    "decode_plan",
 ]
 
 DEFAULT_BLOCK_COORDS = 1 << 20  # coordinates per block: 4 MiB of float32 intermediates
@@ -225,10 +230,12 @@ def decode_blocks(stream, norms, cfg, n_vec: int, block: int, dtype, devices, pu
         yield start, nb, _codec.decode_block(piece, nrm, cfg, dtype, dev, block_qjl)
 
 
-def segment_inputs(p: _wire.Parsed, devices):
-    """Per segment ``(config, stream, float32 norms)`` of a parsed blob, and the QJL
-    inputs (``None`` unless the blob has them) with its matrix on each device."""
-    h = p.header
+def segment_inputs(p: _wire.Parsed, plan, devices):
+    """Per segment of ``plan`` (:func:`tq_jax.plan.for_header` of ``p.header``) the
+    ``(stream, norms)`` of a parsed blob, norms float16/float32 or decoded from log
+    codes, and the QJL inputs (``None`` unless the blob has them) with its matrix on
+    each device."""
+    h = plan.header
     qjl = None
     if h.use_qjl and h.num_vectors:
         try:
@@ -237,8 +244,74 @@ def segment_inputs(p: _wire.Parsed, devices):
             raise _wire.BadFieldError(f"TQ01 QJL blob cannot be decoded: {e}") from None
         qjl = (p.sketch, p.residual_norms, [jax.device_put(m, d) for d in devices])
     segments = []
-    for (_, bits, _, _, _), stream, norms in zip(h.segments(), p.indices, p.norms):
+    for stream, norms in zip(p.indices, p.norms):
         if isinstance(norms, _wire.NormCodes):
             norms = _norms.decode_log_norms(norms.ranges, norms.codes, norms.bits, norms.count)
-        segments.append((_codec.CodecConfig(h.dim, bits, h.seed, h.rotation, h.norm_correction), stream, norms))
+        segments.append((stream, norms))
     return segments, qjl
+
+
+# --------------------------------------------------------------------------- the host executor
+#
+# A plan (tq_jax.plan.Plan) run on host data: the segments' vectors block by block
+# through the kernels above, devices in turn.
+
+
+def rows(host: np.ndarray, plan, start: int, count: int) -> np.ndarray:
+    """Rows ``start:start+count`` of a C-contiguous tensor's ``(rows, d)`` view (no copy):
+    a segment's vectors or a raw layer range of ``plan``."""
+    return host.reshape(plan.rows, plan.dim)[start : start + count]
+
+
+def _encode_vectors(flat: np.ndarray, cfg: _codec.CodecConfig, block_vectors, devices):
+    """Run the codec over host vectors ``flat`` (n, d) block by block: ([stream chunks], norms f32 (n,))."""
+    block = block_vectors_for(flat.shape[1], block_vectors, devices)
+    staging = Staging(IN_FLIGHT * len(devices) + 1)  # see Staging: one more than in flight
+
+    def put(start, nb, rows, device):
+        return staging.put(flat[start : start + nb], rows, device)
+
+    return encode_blocks(put, flat.shape[0], cfg, block, devices, np.asarray)
+
+
+def encode_plan(host: np.ndarray, plan, block_vectors, devices):
+    """Encode a C-contiguous host tensor under ``plan``: ``([(stream chunks, float32
+    norms)] per segment, [raw layer bytes])``, for :mod:`tq_jax.blob` to write."""
+    encoded = [_encode_vectors(rows(host, plan, s.row_start, s.n_vectors), s.config, block_vectors, devices)
+               for s in plan.segments]
+    raw = [memoryview(rows(host, plan, r.row_start, r.rows).reshape(-1).view(np.uint8)) for r in plan.raw]
+    return encoded, raw
+
+
+def _decode_vectors(stream, norms, out_flat, cfg, block_vectors, devices, qjl=None):
+    """Decode one segment's stream + norms into the host array ``out_flat`` (n, d),
+    at most ``IN_FLIGHT`` blocks per device ahead of the copies out."""
+    n_vec, dim = out_flat.shape
+    block = block_vectors_for(dim, block_vectors, devices)
+    pending = collections.deque()
+    staging = Staging(IN_FLIGHT * len(devices) + 1)  # see Staging: one more than in flight
+
+    def collect():
+        start, nb, res = pending.popleft()
+        out_flat[start : start + nb] = np.asarray(res).reshape(-1, dim)[:nb]  # a view
+
+    for item in decode_blocks(stream, norms, cfg, n_vec, block, jax.numpy.dtype(out_flat.dtype), devices, staging.put, qjl):
+        pending.append(item)
+        if len(pending) > IN_FLIGHT * len(devices):
+            collect()
+    while pending:
+        collect()
+
+
+def decode_plan(p: _wire.Parsed, plan, out: np.ndarray, block_vectors, devices) -> None:
+    """Decode a parsed blob into the host array ``out`` (the plan's number of values,
+    C-contiguous, any float dtype) under ``plan`` (:func:`tq_jax.plan.for_header`)."""
+    out = out.reshape(plan.shape)
+    segments, qjl = segment_inputs(p, plan, devices)
+    for s, (stream, norms) in zip(plan.segments, segments):
+        _decode_vectors(stream, norms, rows(out, plan, s.row_start, s.n_vectors), s.config, block_vectors, devices, qjl)
+    src_dt = np.dtype(jax.numpy.dtype(plan.dtype))
+    base = plan.raw_offset or 0
+    for r in plan.raw:
+        part = rows(out, plan, r.row_start, r.rows)
+        part[...] = p.raw[r.offset - base : r.offset - base + r.nbytes].view(src_dt).reshape(part.shape)

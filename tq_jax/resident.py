@@ -1,6 +1,12 @@
-"""The device-resident path of :mod:`tq_jax.blob`: data on an accelerator stays there.
+"""The device path of :mod:`tq_jax.blob`: data on an accelerator stays there.
 
-A jax.Array on one device is encoded there: one
+This module decides which devices take the device path (:func:`takes`) and which
+executor runs there (:data:`EXECUTOR`): ``"program"`` (the default), one compiled
+program per blob (:mod:`tq_jax.program`), or ``"blocks"``, the per-block dispatch
+below, kept so that one run on one card can measure both (``benchmarks/accelerator.py``
+step 2) and for what the program does not run (QJL blobs, blobs of 2 GiB or more).
+
+The per-block dispatch: a jax.Array on one device is encoded there: one
 program cuts its blocks on the device (the last one padded to its bucket, so every
 block has the shape the host path gives it and the bytes are the same), they run
 through the host path's block kernels, and only the packed results and the raw
@@ -23,7 +29,6 @@ and kernels as the host path, so the bytes are the same.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -31,12 +36,16 @@ import numpy as np
 
 from tq_jax import _lru
 from tq_jax import blocks as _blocks
-from tq_jax import options as _options
+from tq_jax import program as _program
 from tq_jax import wire as _wire
+from tq_jax.plan import Plan
 
-__all__ = ["ON_CPU", "takes", "encode", "decode", "encoder", "assembler", "CACHES", "cache_stats", "clear_caches"]
+__all__ = ["ON_CPU", "EXECUTOR", "EXECUTORS", "takes", "encode", "decode", "encoder", "assembler", "CACHES",
+           "cache_stats", "clear_caches"]
 
 ON_CPU = False  # True: take this path on CPU devices too (tests, benchmarks)
+EXECUTORS = ("program", "blocks")
+EXECUTOR = "program"  # one of EXECUTORS: which executor runs the device path
 
 
 def takes(device) -> bool:
@@ -47,7 +56,7 @@ def takes(device) -> bool:
 # Compiled programs keyed by a blob's layout and shape (a decoder's come from untrusted
 # headers): bounded, least recently used first.
 PROGRAMS = _lru.LRU("device-resident programs", max_entries=32)
-CACHES = {"device-resident programs": PROGRAMS}
+CACHES = {"device-resident programs": PROGRAMS, "device programs": _program.PROGRAMS}
 
 
 def cache_stats() -> dict:
@@ -61,12 +70,8 @@ def clear_caches() -> None:
         c.clear()
 
 
-def _segment_vectors(x, g, lo, hi, dim):
-    return x.reshape(-1, dim) if g is None else x[g, lo:hi].reshape(-1, dim)
-
-
 @PROGRAMS.memoize
-def encoder(header: _wire.Header, cfgs: tuple, block: int, device):
+def encoder(plan: Plan, block: int, device):
     """The encoder of ``header``'s layout on ``device``: x (a jax.Array there) →
     ([(stream chunks, norms)] per segment, [raw layer bytes]).
 
@@ -74,20 +79,21 @@ def encoder(header: _wire.Header, cfgs: tuple, block: int, device):
     its bucket) and the raw layers' bytes; the blocks then run through the block
     kernels the host path uses, a few in flight, and only their packed results come back.
     """
-    segments = header.segments()
-    raw_ranges = header.raw_ranges() if header.version == _wire.VERSION_2 else []
+    dim = plan.dim
 
     def cut(x):
         blocks = []
-        for g, _, lo, hi, n_vec in segments:
-            v = _segment_vectors(x, g, lo, hi, header.dim)
+        flat = x.reshape(plan.rows, dim)
+        for s in plan.segments:
+            v, n_vec = flat[s.row_start : s.row_start + s.n_vectors], s.n_vectors
             seg = []
             for start in range(0, n_vec, block):
                 nb = min(block, n_vec - start)
                 b = v[start : start + nb]
                 seg.append(b if nb == block else jnp.pad(b, ((0, _blocks.bucket(nb) - nb), (0, 0))))
             blocks.append(seg)
-        raw = [jax.lax.bitcast_convert_type(x[g, lo:hi], jnp.uint8).reshape(-1) for g, lo, hi in raw_ranges]
+        raw = [jax.lax.bitcast_convert_type(flat[r.row_start : r.row_start + r.rows], jnp.uint8).reshape(-1)
+               for r in plan.raw]
         return blocks, raw
 
     placed = jax.sharding.SingleDeviceSharding(device)
@@ -96,21 +102,21 @@ def encoder(header: _wire.Header, cfgs: tuple, block: int, device):
     def encode(x):
         blocks, raw = cut(x)
         encoded = []
-        for seg, cfg, (_, _, _, _, n_vec) in zip(blocks, cfgs, segments):
+        for seg, s in zip(blocks, plan.segments):
             put = functools.partial(lambda seg, start, nb, rows, _: seg[start // block], seg)
-            encoded.append(_blocks.encode_blocks(put, n_vec, cfg, block, [device], jax.device_get))
+            encoded.append(_blocks.encode_blocks(put, s.n_vectors, s.config, block, [device], jax.device_get))
         return encoded, jax.device_get(raw)
 
     return encode
 
 
-def encode(x, header: _wire.Header, options: _options.Options, block_vectors, device):
-    """``x`` (a jax.Array) encoded on ``device``: ([(stream chunks, norms)] per segment, raw pieces)."""
+def encode(x, plan: Plan, block_vectors, device):
+    """``x`` (a jax.Array) encoded on ``device`` block by block under ``plan``:
+    ([(stream chunks, norms)] per segment, raw pieces)."""
     if device not in x.devices():
         x = jax.device_put(x, device)  # device to device
-    cfgs = tuple(options.codec_config(header.dim, 1 if g == 1 else 0) for g, *_ in header.segments())
-    block = _blocks.block_vectors_for(header.dim, block_vectors, [device])
-    encoded, raw = encoder(header, cfgs, block, device)(x)
+    block = _blocks.block_vectors_for(plan.dim, block_vectors, [device])
+    encoded, raw = encoder(plan, block, device)(x)
     return encoded, [memoryview(r) for r in raw]
 
 
@@ -122,45 +128,38 @@ def encode(x, header: _wire.Header, options: _options.Options, block_vectors, de
 
 
 @PROGRAMS.memoize
-def assembler(header: _wire.Header, dtype, block: int, device):
+def assembler(plan: Plan, dtype, block: int, device):
     """The jitted program (block results per segment, raw bytes) → the blob's tensor on ``device``."""
-    segments = tuple(header.segments())
-    raw_ranges = tuple(header.raw_ranges())
-    src = jnp.dtype(header.dtype)
-    dim = header.dim
+    src = jnp.dtype(plan.dtype)
+    dim = plan.dim
 
     def assemble(blocks, raw):
-        out = jnp.zeros(header.shape, dtype)
-        for (g, _, lo, hi, n), seg in zip(segments, blocks):
+        out = jnp.zeros((plan.rows, dim), dtype)
+        for s, seg in zip(plan.segments, blocks):
+            n = s.n_vectors
             if n == 0:
                 continue
             v = jnp.concatenate([b.reshape(-1, dim) for b in seg])[:n] if len(seg) > 1 else seg[0].reshape(-1, dim)[:n]
-            if g is None:
-                out = v.reshape(header.shape)
-            else:
-                out = out.at[g, lo:hi].set(v.reshape(out[g, lo:hi].shape))
-        off = 0
-        for g, lo, hi in raw_ranges:
-            part_shape = out[g, lo:hi].shape
-            count = math.prod(part_shape) * src.itemsize
-            vals = jax.lax.bitcast_convert_type(raw[off : off + count].reshape(-1, src.itemsize), src)
-            out = out.at[g, lo:hi].set(vals.reshape(part_shape).astype(dtype))
-            off += count
-        return out
+            out = out.at[s.row_start : s.row_start + n].set(v)
+        base = plan.raw_offset or 0
+        for r in plan.raw:
+            lo = r.offset - base
+            vals = jax.lax.bitcast_convert_type(raw[lo : lo + r.nbytes].reshape(-1, src.itemsize), src)
+            out = out.at[r.row_start : r.row_start + r.rows].set(vals.reshape(r.rows, dim).astype(dtype))
+        return out.reshape(plan.shape)
 
     placed = jax.sharding.SingleDeviceSharding(device)
     return jax.jit(assemble, in_shardings=placed, out_shardings=placed)
 
 
-def decode(p: _wire.Parsed, dtype, block_vectors, device) -> jax.Array:
-    """The blob's tensor decoded on ``device`` and born there."""
-    h = p.header
-    block = _blocks.block_vectors_for(h.dim, block_vectors, [device])
-    segments, qjl = _blocks.segment_inputs(p, [device])
+def decode(p: _wire.Parsed, plan: Plan, dtype, block_vectors, device) -> jax.Array:
+    """The blob's tensor decoded block by block on ``device`` and born there."""
+    block = _blocks.block_vectors_for(plan.dim, block_vectors, [device])
+    segments, qjl = _blocks.segment_inputs(p, plan, [device])
     results = []
-    for (_, _, _, _, n), (cfg, stream, norms) in zip(h.segments(), segments):
+    for s, (stream, norms) in zip(plan.segments, segments):
         put = lambda piece, nbytes, _: _blocks.pad_rows(piece, nbytes)  # noqa: E731 (no staging: nothing is reused)
-        blocks = _blocks.decode_blocks(stream, norms, cfg, n, block, dtype, [device], put, qjl)
+        blocks = _blocks.decode_blocks(stream, norms, s.config, s.n_vectors, block, dtype, [device], put, qjl)
         results.append(tuple(res for _, _, res in blocks))
     raw = jax.device_put(p.raw if len(p.raw) else np.zeros(0, np.uint8), device)
-    return assembler(h, dtype, block, device)(tuple(results), raw)
+    return assembler(plan, dtype, block, device)(tuple(results), raw)

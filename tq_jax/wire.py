@@ -83,6 +83,7 @@ __all__ = [
     "ROTATION_CODES",
     "seed32",
     "dtype_name",
+    "dtype_itemsize",
     "Sections",
     "pieces",
     "write_into",
@@ -402,6 +403,11 @@ def dtype_name(dtype) -> str:
             f"original float dtype so decode can restore it."
         )
     return name
+
+
+def dtype_itemsize(dtype: str) -> int:
+    """Bytes per element of a TQ01 dtype name (2 for bfloat16/float16, 4 for float32)."""
+    return _ITEMSIZE[dtype_name(dtype)]
 
 
 def header_bytes(header: Header) -> bytes:
