@@ -34,6 +34,7 @@ MATRIX = sweep(
         ((2, 6, 30, 2, 96), "float16", dict(key_bits=4, value_bits=3, skip_first_layers=1, skip_last_layers=2,
                                             checksum=True, rotation="hadamard"), 32),  # raw edge layers, d 96
         # slow from here
+        ((2, 4, 48, 4, 128), "bfloat16", dict(key_bits=4, value_bits=3, rotation="hadamard"), None),
         ((3, 40, 128), "bfloat16", dict(bits=2), 16),
         ((5, 7, 36), "float32", dict(bits=3, norm_dtype="float32"), 8),  # natural order (36*3 % 8 != 0)
         ((2, 3, 11, 256), "bfloat16", dict(bits=8, seed=7), 16),  # grid quantizer, d 256
@@ -47,6 +48,25 @@ MATRIX = sweep(
     ],
     fast=3,
 )
+
+
+def assert_decoded_like(got, want):
+    """The program's decoded values against the host path's: equal, except that XLA may
+    order a float32 sum differently inside the program (tq_jax.program's docstring):
+    then at most 1 element in 1,000 differs, by float32 rounding of its row's norm
+    plus one unit in the last place of the output dtype (a rounding boundary crossed)."""
+    dtype = np.asarray(got).dtype
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert got.shape == want.shape
+    diff = got != want
+    if not diff.any():
+        return
+    assert diff.mean() <= 1e-3, f"{int(diff.sum())} of {diff.size} values differ"
+    ulp = {np.dtype(jnp.bfloat16): 2.0**-7, np.dtype(np.float16): 2.0**-10}.get(dtype, 2.0**-23)
+    scale = np.linalg.norm(want.reshape(-1, want.shape[-1]), axis=-1, keepdims=True)
+    err = np.abs(got - want).reshape(scale.shape[0], -1)
+    bound = 2.0**-20 * scale + ulp * np.abs(want).reshape(scale.shape[0], -1) + 1e-30
+    assert (err <= bound).all(), float((err / bound).max())
 
 
 def _options(kw) -> tq_jax.Options:
@@ -97,12 +117,12 @@ def test_program_writes_the_host_paths_bytes(shape, dtype, kw, block, monkeypatc
         assert bytes(buf[: len(want)]) == want and bytes(buf[len(want) :]) == bytes(5)
         got = tq_jax.loads(want, block_vectors=block, device=CPU)
         assert got.dtype == want_values.dtype and got.shape == want_values.shape
-        np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want_values.view(np.uint8))
+        assert_decoded_like(got, want_values)
         got = tq_jax.loads(want, dtype=jnp.float32, block_vectors=block, device=CPU)
-        np.testing.assert_array_equal(np.asarray(got), want_f32)
+        assert_decoded_like(got, want_f32)
         out = np.full(want_f32.shape, -7, np.float32)
         assert tq_jax.load_into(want, out, block_vectors=block, device=CPU).shape == tuple(shape)
-        np.testing.assert_array_equal(out, want_f32)
+        assert_decoded_like(out, want_f32)
 
 
 @pytest.mark.parametrize("shape,dtype,kw,block", MATRIX[:2])
@@ -195,7 +215,8 @@ def test_peak_temporary_memory_is_one_block_not_the_tensor():
         enc = program_mod.encoder(plan, block, CPU, jnp.dtype(jnp.bfloat16)).lower(x).compile().memory_analysis()
         blob = jnp.zeros(plan.nbytes, jnp.uint8)
         coded = tuple(jnp.zeros(s.n_vectors, jnp.float32) for s in plan.segments)
-        dec = program_mod.decoder(plan, block, CPU, jnp.dtype(jnp.bfloat16)).lower(blob, coded).compile()
+        tables = tuple(tq_jax.codec.device_tables(s.config, CPU) for s in plan.segments)
+        dec = program_mod.decoder(plan, block, CPU, jnp.dtype(jnp.bfloat16)).lower(blob, coded, tables).compile()
         dec = dec.memory_analysis()
         bound = program_mod.temp_bound(plan, block)
         assert enc.temp_size_in_bytes <= bound and dec.temp_size_in_bytes <= bound, (enc, dec, bound)
@@ -230,8 +251,7 @@ def test_too_large_for_the_program_takes_the_block_executor(monkeypatch):
     monkeypatch.setattr(program_mod, "encoder", lambda *a: pytest.fail("program used past its limit"))
     monkeypatch.setattr(program_mod, "decoder", lambda *a: pytest.fail("program used past its limit"))
     assert tq_jax.dumps(jnp.asarray(x), bits=4, block_vectors=16) == want
-    np.testing.assert_array_equal(np.asarray(tq_jax.loads(want, device=CPU, block_vectors=16)),
-                                  np.asarray(tq_jax.loads(want, block_vectors=16)))
+    assert_decoded_like(tq_jax.loads(want, device=CPU, block_vectors=16), tq_jax.loads(want, block_vectors=16))
 
 
 def test_plan_is_immutable_and_hashable():

@@ -26,7 +26,10 @@ What stays on the host, and why:
 - The CRC32 (``checksum``): ``zlib.crc32`` over the returned bytes.
 
 The blocks are those of the host path, so on the CPU backend the blobs are the host
-path's byte for byte (tests/test_program.py). On an accelerator the default block is
+path's byte for byte (tests/test_program.py). Decoded values are the host path's too,
+except that XLA may order a float32 sum differently inside this program than in the
+block decoder: rare elements then differ at float32 rounding of their vector's norm
+(seen for 3-bit Hadamard rows at head_dim 128 decoded to bfloat16: 4 of 49,152). On an accelerator the default block is
 larger (:data:`DEVICE_BLOCK_COORDS`: fewer, fuller loop iterations). Offsets are
 int32 inside the program, so a blob of 2 GiB or more (and a tensor of 2**31 rows or
 more) takes the block executor instead (:func:`fits`).
@@ -40,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tq_jax import _lru
+from tq_jax import _kernels, _lru
 from tq_jax import blocks as _blocks
 from tq_jax import codec as _codec
 from tq_jax import norms as _norms
@@ -266,7 +269,8 @@ def encode_into(plan: Plan, x, out: memoryview, block_vectors_: int | None, devi
 @PROGRAMS.memoize
 def decoder(plan: Plan, block: int, device, dtype):
     """The jitted program ``(blob uint8 (plan.nbytes,), (float32 norms of each log-coded
-    segment))`` on ``device`` → the plan's tensor of ``dtype``, born there."""
+    segment), (each segment's codec tables))`` on ``device`` → the plan's tensor of
+    ``dtype``, born there."""
     dim, rows = plan.dim, plan.rows
     src = jnp.dtype(plan.dtype)
     if plan.norm_dtype is not None:
@@ -279,20 +283,23 @@ def decoder(plan: Plan, block: int, device, dtype):
         raw = jax.lax.dynamic_slice(blob, (s.norms_offset + start * isz,), (count * isz,))
         return jax.lax.bitcast_convert_type(raw.reshape(count, isz), norm_dt)
 
-    def program(blob, coded_norms):
+    def program(blob, coded_norms, tables):
         out = jnp.zeros((rows, dim), dtype)
         k = 0
-        for s in plan.segments:
+        for k_seg, s in enumerate(plan.segments):
             cfg, n = s.config, s.n_vectors
             coded = coded_norms[k] if plan.norm_bits else None
             k += 1 if plan.norm_bits else 0
             full, tail, rows_tail = _blocks_of(n, block)
             step = block * dim * cfg.bits // 8
 
-            def body(i, out, s=s, cfg=cfg, step=step, coded=coded):
+            def decode(stream, norms, cfg=cfg, tabs=tables[k_seg]):
+                return _kernels.decode_stream(stream, norms, tabs, cfg.bits, dtype, cfg.norm_correction)
+
+            def body(i, out, s=s, step=step, coded=coded, decode=decode):
                 stream = jax.lax.dynamic_slice(blob, (s.index_offset + i * step,), (step,))
                 norms = norms_of(blob, coded, s, i * block, block)
-                vals = _codec.decode_stream(stream, norms, cfg, dtype, device).reshape(block, dim)
+                vals = decode(stream, norms).reshape(block, dim)
                 return jax.lax.dynamic_update_slice(out, vals, (s.row_start + i * block, 0))
 
             if full:
@@ -303,7 +310,7 @@ def decoder(plan: Plan, block: int, device, dtype):
                 piece = jnp.pad(piece, (0, rows_tail * dim * cfg.bits // 8 - piece.shape[0]))
                 norms = norms_of(blob, coded, s, full * block, tail)
                 norms = jnp.pad(norms, (0, rows_tail - tail))
-                vals = _codec.decode_stream(piece, norms, cfg, dtype, device).reshape(rows_tail, dim)[:tail]
+                vals = decode(piece, norms).reshape(rows_tail, dim)[:tail]
                 out = jax.lax.dynamic_update_slice(out, vals, (s.row_start + full * block, 0))
         for r in plan.raw:
             part = blob[r.offset : r.offset + r.nbytes].reshape(r.rows, dim, src.itemsize)
@@ -325,4 +332,7 @@ def decode(plan: Plan, parsed: _wire.Parsed, blob, dtype, block_vectors_: int | 
         )
     buf = np.frombuffer(blob, np.uint8, count=plan.nbytes)
     block = block_vectors(plan, block_vectors_, device)
-    return decoder(plan, block, device, jnp.dtype(dtype))(jax.device_put(buf, device), coded)
+    # The tables are arguments, as the host path's block decoder takes them: XLA then
+    # compiles the same arithmetic (as constants it may fuse and round differently).
+    tables = tuple(_codec.device_tables(s.config, device) for s in plan.segments)
+    return decoder(plan, block, device, jnp.dtype(dtype))(jax.device_put(buf, device), coded, tables)
