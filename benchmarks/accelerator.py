@@ -16,9 +16,15 @@ Steps:
 1. correctness on the device: the device-resident codec path gives the host path's bytes
    and values; ``kvcache`` append gives ``dumps``' bytes and ``attend`` (XLA and the GPU
    kernel) equals dense float64 attention over the decoded blob. Stops on a failure.
-2. ``dumps``/``loads`` of a resident ``jax.Array`` (W1 and a 1 GiB tensor; v1 4-bit,
-   turbo-3.5, Hadamard v2 4-bit) in GiB/s of the bf16 tensor, beside a device-to-device
-   copy of the same bytes.
+2. the codec on the device (W1 and a 1 GiB tensor; v1 4-bit, turbo-3.5, Hadamard v2
+   4-bit), in GiB/s of the bf16 tensor beside a device-to-device copy of the same bytes:
+   the device program alone (``tq_jax.program``: the blob in device memory, no host
+   transfer, both ways); the host-link floor (the blob's bytes alone, each way); the full
+   ``dumps(jax.Array)`` / ``loads(device=d)`` with the program and with the per-block
+   executor it replaced (``[blocks]``, ``tq_jax.resident.EXECUTOR``), so that one run
+   measures before and after; and the LMCache bridge's data path, ``dump_into`` /
+   ``load_into`` of a host chunk with ``device=d`` (what ``bridge/serde.py`` calls), in
+   GB/s of raw KV. The full rows give their share of the host-link floor's throughput.
 3. the GPU kernel's bf16 mode checked against its accuracy bound on the device (relative
    RMS error at most 1.5x ``jax.nn.dot_product_attention``'s over the same K/V in bf16),
    then decode ``attend`` (the GPU kernel's exact and bf16 modes; the XLA loop at batch 8)
@@ -39,6 +45,7 @@ Timing: ``block_until_ready``, the first call (compile) excluded, median of ``--
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import math
@@ -250,22 +257,90 @@ def step_correctness(dev, sizes: Sizes, keep_going: bool) -> list:
 # --------------------------------------------------------------------------- step 2: codec
 
 
+@contextlib.contextmanager
+def executor(name: str, dev):
+    """Run the codec's device path with executor ``name`` (``tq_jax.resident.EXECUTORS``:
+    the compiled program, or the per-block dispatch it replaced), on CPU devices too."""
+    from tq_jax import resident
+
+    old = resident.EXECUTOR, resident.ON_CPU
+    resident.EXECUTOR, resident.ON_CPU = name, dev.platform == "cpu" or resident.ON_CPU
+    try:
+        yield
+    finally:
+        resident.EXECUTOR, resident.ON_CPU = old
+
+
 def step_codec(dev, sizes: Sizes, table: list):
+    """Codec rows (see the module docstring): the device program alone, the full
+    dumps/loads of each executor, the host-link floor, and the bridge's data path."""
+    from tq_jax import plan as tq_plan
+    from tq_jax import program
+
     copy = jax.jit(jnp.copy)
     for shape_name, shape in sizes.codec:
         xd = jax.random.normal(jax.random.key(0), shape, jnp.float32).astype(jnp.bfloat16)
         xd = jax.device_put(xd, dev)
+        xh = np.asarray(xd)  # the bridge's L1 chunk: host memory
         nbytes = xd.size * 2
         ms = median_ms(lambda: copy(xd), sizes.reps)
         table.append(("2 codec", f"{shape_name} {list(shape)} bf16", "device-to-device copy", ms, gibs(nbytes, ms), 1.0, None))
         copy_ms = ms
+        reps = max(2, sizes.reps // 3)
+        raw_up = median_ms(lambda: jax.device_put(xh, dev), sizes.reps)
+        raw_down = median_ms(lambda: np.asarray(jax.device_get(xd)), sizes.reps)
+        table.append(("2 codec", f"{shape_name} {list(shape)} bf16", "host-link: the tensor host->device", raw_up,
+                      gibs(nbytes, raw_up), raw_up / copy_ms, None))
+        table.append(("2 codec", f"{shape_name} {list(shape)} bf16", "host-link: the tensor device->host", raw_down,
+                      gibs(nbytes, raw_down), raw_down / copy_ms, None))
+
+        def row(case, what, ms, floor_ms=None):
+            extra = "" if floor_ms is None else f" ({100 * floor_ms / ms:.0f} % of the host-link floor)"
+            table.append(("2 codec", case, what + extra, ms, gibs(nbytes, ms), ms / copy_ms, None))
+
         for name, kw in CODEC_OPTIONS:
             opts = tq_jax.Options.make(**kw)
-            blob = tq_jax.dumps(xd, options=opts)
-            ms = median_ms(lambda: tq_jax.dumps(xd, options=opts), max(2, sizes.reps // 3))
-            table.append(("2 codec", f"{shape_name} {name}", "dumps(jax.Array)", ms, gibs(nbytes, ms), ms / copy_ms, None))
-            ms = median_ms(lambda: tq_jax.loads(blob, device=dev), max(2, sizes.reps // 3))
-            table.append(("2 codec", f"{shape_name} {name}", "loads(device=d)", ms, gibs(nbytes, ms), ms / copy_ms, None))
+            case = f"{shape_name} {name}"
+            with executor("program", dev):
+                blob = tq_jax.dumps(xd, options=opts)
+            plan = tq_plan.for_tensor(shape, "bfloat16", opts)
+            block = program.block_vectors(plan, None, dev)
+            enc = program.encoder(plan, block, dev, jnp.dtype(jnp.bfloat16))
+            ms = median_ms(lambda: enc(xd)[0], sizes.reps)
+            row(case, f"device program encode (blob in device memory, block {block})", ms)
+            blob_dev = jax.device_put(np.frombuffer(blob, np.uint8), dev)
+            coded = ()
+            if plan.norm_bits:
+                p = tq_jax.parse(blob)
+                coded = tuple(jax.device_put(tq_jax.norms.decode_log_norms(c.ranges, c.codes, c.bits, c.count), dev)
+                              for c in p.norms)
+            tables = tuple(tq_jax.codec.device_tables(sg.config, dev) for sg in plan.segments)
+            dec = program.decoder(plan, block, dev, jnp.dtype(jnp.bfloat16))
+            ms = median_ms(lambda: dec(blob_dev, coded, tables), sizes.reps)
+            row(case, "device program decode (blob already in device memory)", ms)
+            host_blob = np.frombuffer(blob, np.uint8)
+            down = median_ms(lambda: np.asarray(jax.device_get(blob_dev)), sizes.reps)
+            up = median_ms(lambda: jax.device_put(host_blob, dev), sizes.reps)
+            table.append(("2 codec", case, f"host-link floor: the blob's {len(blob)} B device->host", down,
+                          gibs(nbytes, down), down / copy_ms, None))
+            table.append(("2 codec", case, f"host-link floor: the blob's {len(blob)} B host->device", up,
+                          gibs(nbytes, up), up / copy_ms, None))
+            out = np.empty(len(blob), np.uint8)
+            for ex in ("program", "blocks"):
+                with executor(ex, dev):
+                    assert tq_jax.dumps(xd, options=opts) == blob, f"{ex}: bytes differ from the program's"
+                    ms = median_ms(lambda: tq_jax.dumps(xd, options=opts), reps)
+                    row(case, f"dumps(jax.Array) [{ex}]", ms, down)
+                    ms = median_ms(lambda: tq_jax.loads(blob, device=dev), reps)
+                    row(case, f"loads(device=d) [{ex}]", ms, up)
+                    # the bridge's data path (bridge/serde.py): an L1 chunk in host memory in, bytes out
+                    ms = median_ms(lambda: tq_jax.dump_into(xh, out, options=opts, device=dev), reps)
+                    row(case, f"bridge encode: dump_into(host chunk, device=d) [{ex}], {nbytes / ms / 1e6:.1f} GB/s of KV",
+                        ms, raw_up + down)  # floor: the chunk up, the blob down
+                    back = np.empty(shape, jnp.bfloat16)
+                    ms = median_ms(lambda: tq_jax.load_into(blob, back, device=dev), reps)
+                    row(case, f"bridge decode: load_into(blob, host chunk, device=d) [{ex}], {nbytes / ms / 1e6:.1f} GB/s of KV",
+                        ms, up + raw_down)  # floor: the blob up, the tensor down
 
 
 # --------------------------------------------------------------------------- step 3: attend

@@ -33,7 +33,11 @@ def test_cpu_smoke_runs_every_step_and_writes_one_table(tmp_path):
             continue
         assert float(ms) > 0, (step, case, what)
     whats = " ".join(r[2] for r in rows)
-    for name in ("dumps(jax.Array)", "loads(device=d)", "kvcache xla", "kvcache pallas_gpu exact",
+    for name in ("dumps(jax.Array) [program]", "dumps(jax.Array) [blocks]", "loads(device=d) [program]",
+                 "loads(device=d) [blocks]", "device program encode", "device program decode",
+                 "host-link floor: the blob's", "host-link: the tensor host->device",
+                 "bridge encode: dump_into(host chunk, device=d) [program]",
+                 "bridge decode: load_into(blob, host chunk, device=d) [program]", "kvcache xla", "kvcache pallas_gpu exact",
                  "kvcache pallas_gpu bf16", "bf16 mode accuracy ok", "jax.nn.dot_product_attention", "einsum",
                  "tokens/s", "attend impl=pallas_gpu exact", "attend impl=pallas_gpu bf16", "examples.smollm2's make_step"):
         assert name in whats, name
