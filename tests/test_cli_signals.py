@@ -1,17 +1,24 @@
 """Ctrl-C and SIGTERM end `tq-jax compress` at once: rc 130/143, one line, no partial output.
 
-Each case runs the real command in a subprocess on a 50 MB input and signals it at a
+Each case runs the real command in a subprocess on a 50 MB input, its stderr a terminal
+(a pty, so the progress bar is drawn as for a person; into a pipe the command logs one
+line per file instead), and signals it at a
 fixed delay after start (0.3 s: still importing), once its progress bar shows (planning and
 compiling), once the bar counts a first chunk (mid-compress), or once its temporary output
 file exists (mid-write). Moments are states of the job, not clock times, wherever the job
 could be over by then: a fast machine runs the whole compress in under 1.5 s.
 """
 
+import errno
+import fcntl
 import os
+import pty
 import re
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 
@@ -39,10 +46,22 @@ def _signal_compress(big, out_dir, when, signum=signal.SIGINT):
     os.makedirs(out_dir)
     out = out_dir / "o.safetensors"
     t0 = time.monotonic()
+    terminal, stderr = pty.openpty()  # the bar is drawn only for a terminal
+    fcntl.ioctl(stderr, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # 120 columns: room for the bar
     p = subprocess.Popen([sys.executable, "-m", "tq_jax", "compress", str(big), str(out), "--chunk-mb", "8"],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                         stdout=subprocess.DEVNULL, stderr=stderr)
+    os.close(stderr)
     err = bytearray()
-    reader = threading.Thread(target=lambda: [err.extend(b) for b in iter(lambda: os.read(p.stderr.fileno(), 4096), b"")])
+
+    def read() -> bytes:
+        try:
+            return os.read(terminal, 4096)
+        except OSError as e:  # EIO: the process has exited and closed the pty
+            if e.errno == errno.EIO:
+                return b""
+            raise
+
+    reader = threading.Thread(target=lambda: [err.extend(b) for b in iter(read, b"")])
     reader.start()
     try:
         ready = {
@@ -72,7 +91,7 @@ def _signal_compress(big, out_dir, when, signum=signal.SIGINT):
             p.kill()
             p.wait()
         reader.join()
-        p.stderr.close()
+        os.close(terminal)
     return p.returncode, err.decode(errors="replace"), took, sorted(os.listdir(out_dir)), sent
 
 
