@@ -308,6 +308,12 @@ def step_codec(dev, sizes: Sizes, table: list):
             enc = program.encoder(plan, block, dev, jnp.dtype(jnp.bfloat16))
             ms = median_ms(lambda: enc(xd)[0], sizes.reps)
             row(case, f"device program encode (blob in device memory, block {block})", ms)
+            if name == CODEC_OPTIONS[0][0] and shape_name == sizes.codec[-1][0]:  # the block size, swept once
+                for coords in (1 << 21, 1 << 25):
+                    other = program.block_vectors(plan, max(8, coords // shape[-1]), dev)
+                    enc_b = program.encoder(plan, other, dev, jnp.dtype(jnp.bfloat16))
+                    ms = median_ms(lambda: enc_b(xd)[0], sizes.reps)
+                    row(case, f"device program encode (blob in device memory, block {other})", ms)
             blob_dev = jax.device_put(np.frombuffer(blob, np.uint8), dev)
             coded = ()
             if plan.norm_bits:

@@ -65,10 +65,10 @@ __all__ = [
     "finish",
 ]
 
-# Coordinates per block on an accelerator: 16 Mi (a 32 MiB bfloat16 block, 64 MiB per
-# float32 intermediate), so a 1 GiB tensor is 32 loop iterations of kernels large
-# enough to fill the device. On the CPU backend the host path's block (2**19).
-DEVICE_BLOCK_COORDS = 1 << 24
+# Coordinates per block on an accelerator: 8 Mi (a 16 MiB bfloat16 block, 32 MiB per
+# float32 intermediate, temp_bound 192 MiB), so a 1 GiB tensor is 64 loop iterations of
+# kernels large enough to fill the device. On the CPU backend the host path's block (2**19).
+DEVICE_BLOCK_COORDS = 1 << 23
 MAX_BLOB_BYTES = (1 << 31) - 1  # int32 offsets inside the program
 
 # Compiled programs keyed by a plan (a decoder's comes from an untrusted header):
@@ -92,14 +92,14 @@ def fits(plan: Plan) -> bool:
 
 
 def temp_bound(plan: Plan, block: int) -> int:
-    """Bytes of temporaries the programs may hold besides input and output: a dozen
-    float32 copies of one (bucketed) block, the tables, and float32 norms of the
-    log-coded segments. An upper bound, independent of the tensor's length except for
-    the norms (4 bytes per vector)."""
+    """Bytes of temporaries the programs may hold besides input and output: six float32
+    copies of one (bucketed) block, the tables, and float32 norms of the log-coded
+    segments (4 bytes per vector: the only part that grows with the tensor). XLA's
+    memory analysis of the CPU programs stays under it (tests/test_program.py)."""
     coords = max(block, _blocks.bucket(block)) * plan.dim
     tables = sum(4 * (plan.dim * plan.dim + 2 ** s.bits) for s in plan.segments)
     norms = sum(4 * s.n_vectors for s in plan.segments) if plan.norm_bits else 0
-    return 12 * 4 * coords + tables + norms + (1 << 20)
+    return 6 * 4 * coords + tables + norms + (1 << 20)
 
 
 def _blocks_of(n: int, block: int) -> tuple:
@@ -283,8 +283,19 @@ def decoder(plan: Plan, block: int, device, dtype):
         raw = jax.lax.dynamic_slice(blob, (s.norms_offset + start * isz,), (count * isz,))
         return jax.lax.bitcast_convert_type(raw.reshape(count, isz), norm_dt)
 
+    # On the CPU backend a 16-bit float output is carried as uint16: XLA's CPU backend
+    # updates a bfloat16 buffer by converting all of it to float32 and back in every
+    # loop iteration (a pass over the whole tensor per block), integers in place; the
+    # final bitcast then costs one copy of the output, within the CPU programs' memory.
+    # Accelerators update bfloat16 in place, and the final bitcast would cost a copy.
+    half = jnp.dtype(dtype).itemsize == 2  # bfloat16, float16: converted; float32 is updated in place
+    carry = jnp.dtype(jnp.uint16) if half and _blocks.is_cpu(device) else jnp.dtype(dtype)
+
+    def as_carry(v):
+        return jax.lax.bitcast_convert_type(v, carry)
+
     def program(blob, coded_norms, tables):
-        out = jnp.zeros((rows, dim), dtype)
+        out = jnp.zeros((rows, dim), carry)
         k = 0
         for k_seg, s in enumerate(plan.segments):
             cfg, n = s.config, s.n_vectors
@@ -299,7 +310,7 @@ def decoder(plan: Plan, block: int, device, dtype):
             def body(i, out, s=s, step=step, coded=coded, decode=decode):
                 stream = jax.lax.dynamic_slice(blob, (s.index_offset + i * step,), (step,))
                 norms = norms_of(blob, coded, s, i * block, block)
-                vals = decode(stream, norms).reshape(block, dim)
+                vals = as_carry(decode(stream, norms).reshape(block, dim))
                 return jax.lax.dynamic_update_slice(out, vals, (s.row_start + i * block, 0))
 
             if full:
@@ -310,13 +321,13 @@ def decoder(plan: Plan, block: int, device, dtype):
                 piece = jnp.pad(piece, (0, rows_tail * dim * cfg.bits // 8 - piece.shape[0]))
                 norms = norms_of(blob, coded, s, full * block, tail)
                 norms = jnp.pad(norms, (0, rows_tail - tail))
-                vals = decode(piece, norms).reshape(rows_tail, dim)[:tail]
+                vals = as_carry(decode(piece, norms).reshape(rows_tail, dim)[:tail])
                 out = jax.lax.dynamic_update_slice(out, vals, (s.row_start + full * block, 0))
         for r in plan.raw:
             part = blob[r.offset : r.offset + r.nbytes].reshape(r.rows, dim, src.itemsize)
-            vals = jax.lax.bitcast_convert_type(part, src).astype(dtype)
+            vals = as_carry(jax.lax.bitcast_convert_type(part, src).astype(dtype))
             out = jax.lax.dynamic_update_slice(out, vals, (r.row_start, 0))
-        return out.reshape(plan.shape)
+        return jax.lax.bitcast_convert_type(out, dtype).reshape(plan.shape)
 
     placed = jax.sharding.SingleDeviceSharding(device)
     return jax.jit(program, in_shardings=placed, out_shardings=placed)
