@@ -8,14 +8,19 @@ would add).
 
 Paths:
 - host: the pipelined host path (numpy input; ``loads`` into an aligned host buffer).
-- resident: a jax.Array is cut into blocks on its device and only packed bytes come
-  back; ``loads(device=d)`` decodes and assembles on ``d``. This is what an
-  accelerator takes; on the CPU backend it is forced here (``resident.ON_CPU``).
+- device path [program]: one compiled program per blob writes the whole blob on the
+  device and only its bytes come back; ``loads(device=d)`` is its mirror
+  (``tq_jax.program``). This is what an accelerator takes; on the CPU backend it is
+  forced here (``resident.ON_CPU``).
+- device path [blocks]: the per-block dispatch the program replaced (a jax.Array cut
+  into blocks on its device, each block its own kernel call; decode assembles the
+  blocks' results on the device), kept selectable (``resident.EXECUTOR``).
 - XLA concatenate: the resident decode's assembly step alone (its blocks' results
   joined into the tensor by one jitted program).
 
-    python benchmarks/bench_device_path.py           # writes benchmarks/results/device_path_<platform>.md
-    python benchmarks/bench_device_path.py --quick   # fewer rounds, no file
+    python benchmarks/bench_device_path.py                             # prints the table
+    python benchmarks/bench_device_path.py --out benchmarks/results/   # + device_path_<platform>.md there
+    python benchmarks/bench_device_path.py --quick                     # fewer rounds
 """
 
 from __future__ import annotations
@@ -38,17 +43,18 @@ W1 = (2, 32, 256, 8, 128)
 
 
 
-def forced(flag):
-    """Call fn with resident.ON_CPU set to flag (the accelerator path on CPU)."""
+def forced(flag, executor="program"):
+    """Call fn with resident.ON_CPU set to flag (the accelerator path on CPU), run by
+    ``executor`` (``resident.EXECUTORS``)."""
 
     def wrap(fn):
         def call():
-            old = resident_mod.ON_CPU
-            resident_mod.ON_CPU = flag
+            old = resident_mod.ON_CPU, resident_mod.EXECUTOR
+            resident_mod.ON_CPU, resident_mod.EXECUTOR = flag, executor
             try:
                 return fn()
             finally:
-                resident_mod.ON_CPU = old
+                resident_mod.ON_CPU, resident_mod.EXECUTOR = old
 
         return call
 
@@ -68,9 +74,13 @@ def cases(dev):
         assert forced(True)(lambda: tq_jax.dumps(xd, options=opts))() == b
         out[f"{name} dumps(numpy)"] = lambda opts=opts: tq_jax.dumps(x, options=opts, device=dev)
         out[f"{name} dumps(jax.Array), default path"] = lambda opts=opts: tq_jax.dumps(xd, options=opts)
-        out[f"{name} dumps(jax.Array), resident"] = forced(True)(lambda opts=opts: tq_jax.dumps(xd, options=opts))
+        for ex in resident_mod.EXECUTORS:
+            out[f"{name} dumps(jax.Array), device path [{ex}]"] = forced(True, ex)(lambda opts=opts: tq_jax.dumps(xd, options=opts))
+        out[f"{name} dumps(numpy, device=d), device path [program]"] = forced(True)(
+            lambda opts=opts: tq_jax.dumps(x, options=opts, device=dev))
         out[f"{name} loads(device=d), default path"] = lambda b=b: tq_jax.loads(b, device=dev)
-        out[f"{name} loads(device=d), resident"] = forced(True)(lambda b=b: tq_jax.loads(b, device=dev))
+        for ex in resident_mod.EXECUTORS:
+            out[f"{name} loads(device=d), device path [{ex}]"] = forced(True, ex)(lambda b=b: tq_jax.loads(b, device=dev))
         out[f"{name} loads(device=d), host buffer"] = forced(False)(lambda b=b: tq_jax.loads(b, device=[dev]))
     # the resident decode's assembly alone: 4096-vector bf16 blocks joined by XLA
     block = blocks.block_vectors_for(W1[-1], None, [dev])
@@ -84,6 +94,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=None, help="directory to write device_path_<platform>.md to")
     args = ap.parse_args()
     dev = jax.devices()[0]
     table = cases(dev)
@@ -108,15 +119,13 @@ def main():
         lines += [
             "",
             "On the CPU backend device memory is host memory: the round trip costs nothing "
-            "(zero-copy both ways), and the resident decode pays XLA:CPU's concatenate of the "
-            "decoded blocks (last row) on top of the same block kernels. That is why CPU devices "
-            "take the host pipeline (`resident.takes`); the resident rows are the accelerator "
-            "path, forced here for comparison.",
+            "(zero-copy both ways). CPU devices take the host pipeline (`resident.takes`); the "
+            "device-path rows are the accelerator's executors, forced here for comparison.",
         ]
     text = "\n".join(lines) + "\n"
     print(text)
-    if not args.quick:
-        path = Path(__file__).parent / "results" / f"device_path_{dev.platform}.md"
+    if args.out is not None:
+        path = args.out / f"device_path_{dev.platform}.md"
         path.write_text(text)
         print(f"wrote {path}")
 
