@@ -305,7 +305,10 @@ def decoder(plan: Plan, block: int, device, dtype):
             step = block * dim * cfg.bits // 8
 
             def decode(stream, norms, cfg=cfg, tabs=tables[k_seg]):
-                return _kernels.decode_stream(stream, norms, tabs, cfg.bits, dtype, cfg.norm_correction)
+                # the barrier ends the kernel's fusion where the host path's program ends
+                # it, rather than inside the update of the output
+                v = _kernels.decode_stream(stream, norms, tabs, cfg.bits, dtype, cfg.norm_correction)
+                return jax.lax.optimization_barrier(v)
 
             def body(i, out, s=s, step=step, coded=coded, decode=decode):
                 stream = jax.lax.dynamic_slice(blob, (s.index_offset + i * step,), (step,))
