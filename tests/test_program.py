@@ -23,6 +23,7 @@ from tq_jax import resident as resident_mod
 from tq_jax import wire
 
 from conftest import sweep
+from test_device_path import _input, _options  # one helper for the device-path inputs
 
 CPU = jax.devices("cpu")[0]
 
@@ -67,17 +68,6 @@ def assert_decoded_like(got, want):
     err = np.abs(got - want).reshape(scale.shape[0], -1)
     bound = 2.0**-20 * scale + ulp * np.abs(want).reshape(scale.shape[0], -1) + 1e-30
     assert (err <= bound).all(), float((err / bound).max())
-
-
-def _options(kw) -> tq_jax.Options:
-    kw = dict(kw)
-    if "preset" in kw:
-        return tq_jax.Options.make(**tq_jax.PRESETS[kw.pop("preset")], **kw)
-    return tq_jax.Options.make(**kw)
-
-
-def _input(shape, dtype, seed=0):
-    return np.random.default_rng(seed).standard_normal(shape, np.float32).astype(jnp.dtype(dtype))
 
 
 @pytest.fixture
