@@ -80,6 +80,81 @@ def test_passkey_report_adds_each_settings_mean_over_its_seeds():
     assert not any(line.startswith("| tq:K8V4 |") for line in lines)
 
 
+class _WordTokenizer:
+    """One id per whitespace-separated word (a new word gets the next id): enough to
+    build passkey prompts without the model's tokenizer."""
+
+    def __init__(self):
+        self.vocab = {}
+
+    def __call__(self, text, add_special_tokens=False):
+        ids = [self.vocab.setdefault(w, len(self.vocab)) for w in text.split()]
+        return type("Encoding", (), {"input_ids": ids})()
+
+
+def _key_at(row, key_ids):
+    """Where ``key_ids`` starts in ``row`` (it occurs once)."""
+    hits = [i for i in range(len(row) - len(key_ids) + 1) if list(row[i:i + len(key_ids)]) == key_ids]
+    assert len(hits) == 1, hits
+    return hits[0]
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.3, 1.0])
+def test_passkey_varied_filler_is_a_draw_per_prompt_at_the_depth(depth):
+    """``filler="varied"``: each prompt its own sentences from the pool (the keys of a
+    cell are not one draw), the key at a sentence boundary within one sentence of the
+    asked depth, exactly ``context`` tokens, the same prompts again for the same seed."""
+    tok = _WordTokenizer()
+    keys = ["11111", "22222", "33333", "44444"]
+    p = passkey.build_prompts(tok, 300, depth, keys, "plain", "varied", filler_seed=(0, 300, 30))
+    question, head = tok(passkey.QUESTION).input_ids, tok(passkey.INSTRUCTION).input_ids
+    assert p.context.shape == (4, 300 - len(question)) and list(p.question) == question
+    sentences = {tuple(tok(s).input_ids) for s in passkey.FILLER_POOL}
+    longest = max(map(len, sentences))
+    fillers = []
+    for row, key in zip(p.context, keys):
+        key_ids = tok(passkey.KEY_SENTENCE.format(key=key)).input_ids
+        at = _key_at(row, key_ids)
+        fill = list(row[len(head):at]) + list(row[at + len(key_ids):])
+        n_fill = len(fill)
+        assert abs((at - len(head)) - depth * n_fill) <= longest
+        # the filler before the key is whole pool sentences (the last one cut where the
+        # filler ends, when the key comes right after all of it)
+        before, i = list(row[len(head):at]), 0
+        last = at + len(key_ids) == len(row)
+        while i < len(before):
+            match = [s for s in sentences if tuple(before[i:i + len(s)]) == s[:len(before) - i if last else len(s)]]
+            assert match, before[i:]
+            i += len(match[0])
+        fillers.append(tuple(fill))
+    assert len(set(fillers)) == len(keys)
+    again = passkey.build_prompts(tok, 300, depth, keys, "plain", "varied", filler_seed=(0, 300, 30))
+    np.testing.assert_array_equal(again.context, p.context)
+    other = passkey.build_prompts(tok, 300, depth, keys, "plain", "varied", filler_seed=(1, 300, 30))
+    assert not np.array_equal(other.context, p.context)
+
+
+def test_passkey_fixed_filler_is_one_repeated_filler():
+    """``filler="fixed"`` (the tables before issue 31): every prompt the same repeated
+    :data:`FILLER`, so rows differ only in the key's digits."""
+    tok = _WordTokenizer()
+    keys = ["11111", "22222"]
+    p = passkey.build_prompts(tok, 300, 0.5, keys, "plain", "fixed")
+    unit = tok(passkey.FILLER).input_ids
+    head = tok(passkey.INSTRUCTION).input_ids
+    rows = []
+    for row, key in zip(p.context, keys):
+        key_ids = tok(passkey.KEY_SENTENCE.format(key=key)).input_ids
+        at = _key_at(row, key_ids)
+        assert (at - len(head)) % len(unit) == 0
+        fill = list(row[len(head):at]) + list(row[at + len(key_ids):])
+        assert fill == (unit * (len(fill) // len(unit) + 1))[:len(fill)]
+        rows.append(row)
+    assert (rows[0] != rows[1]).sum() <= 2 * 5  # the key's digits, twice in its sentence
+    with pytest.raises(ValueError, match="filler"):
+        passkey.build_prompts(tok, 300, 0.5, keys, "plain", "shuffled")
+
+
 def test_init_cache_passes_kvcache_keywords_through():
     from tq_jax import kvcache
 
@@ -264,8 +339,13 @@ def test_passkey_bf16_retrieves_and_load_kv_is_exact(smollm2):
     loaded = runner.load(caches.init_cache(cfg, "bf16", k, 300), *caches.dense_kv(ref, 0, t))
     for a, b in zip(ref, loaded):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    answers = passkey.run_cell(params, runner, prompts, [caches.CacheSpec("bf16", "bf16")])["bf16"]
-    assert [passkey.answer_matches(tok.decode(a), key) for a, key in zip(answers, keys)] == [True, True]
+    specs = [caches.CacheSpec("bf16", "bf16"), caches.parse_spec("tq:6/2,rotation=hadamard,norm_correction=true")]
+    answers = passkey.run_cell(params, runner, prompts, specs)
+    assert [passkey.answer_matches(tok.decode(a), key) for a, key in zip(answers["bf16"], keys)] == [True, True]
+    # the question in one step or one token per step: the same computation up to rounding
+    # (the window holds the question exactly), so the same greedy answers
+    steps = passkey.run_cell(params, runner, prompts, specs[1:], question_steps=True)
+    np.testing.assert_array_equal(steps[specs[1].label], answers[specs[1].label])
 
 
 # The CI check of the serving path: bounds per default window of kvcache.init, chosen

@@ -208,7 +208,8 @@ def score_answers(texts, keys) -> float:
     return 100 * float(np.mean([_passkey.answer_matches(t, k) for t, k in zip(texts, keys)]))
 
 
-def passkey_markdown(acc, examples, *, contexts, depths, keys: int, seed: int, fmt: str, strict_prefill: bool) -> list[str]:
+def passkey_markdown(acc, examples, *, contexts, depths, keys: int, seed: int, fmt: str, strict_prefill: bool,
+                     filler: str = "varied", question_steps: bool = False) -> list[str]:
     """The passkey report's protocol paragraph, table and example answers (lines).
 
     ``acc[label][context, depth]`` is % correct; ``examples[label, context, depth]`` a
@@ -221,13 +222,19 @@ def passkey_markdown(acc, examples, *, contexts, depths, keys: int, seed: int, f
         "math, and each layer's K/V are appended to every cache under test (`kvcache.append`: quantized as usual, "
         "the newest kept exact in the cache's window if it has one)"
     )
+    filler_text = (
+        f"filler (\"{_passkey.FILLER.strip()}\" repeated)" if filler == "fixed" else
+        f"filler (every prompt its own random draw of {len(_passkey.FILLER_POOL)} neutral sentences, "
+        f"\"{_passkey.FILLER_POOL[0].strip()}\" and the like: `--filler varied`)"
+    )
+    question = "one token per step" if question_steps else "in one step (all its tokens)"
     lines = [
-        f"Prompt ({fmt} format): an instruction, filler (\"{_passkey.FILLER.strip()}\" repeated), the key "
+        f"Prompt ({fmt} format): an instruction, {filler_text}, the key "
         f"sentence \"{_passkey.KEY_SENTENCE.strip()}\" at the given depth of the filler, more filler, then "
         f"\"{_passkey.QUESTION.strip()}\"" + (" (SmolLM2's chat template: the question ends the user turn and the "
         "assistant's turn starts with \"The pass key is\")" if fmt == "chat" else "") + f". Context = all "
         f"prompt tokens. {keys} random 5-digit keys per cell (seed {seed}), the same prompts for every cache. "
-        f"Protocol: {prefill}; the question is then fed one token per step through the cache and "
+        f"Protocol: {prefill}; the question is then fed {question} through the cache and "
         f"{_passkey.ANSWER_TOKENS} tokens greedy-decoded through it. A prompt scores when the first run of digits "
         "in the answer is exactly the key. Cells: % correct.",
         "",
@@ -263,23 +270,34 @@ def cmd_passkey(args, argv) -> int:
     rng = np.random.default_rng(args.seed)
     acc = {s.label: {} for s in specs}
     examples = {}
+    per_batch = max(1, args.batch // args.keys)  # depths of one context run as one batch
     for ctx in args.contexts:
-        for depth in args.depths:
+        for g in range(0, len(args.depths), per_batch):
             t0 = time.perf_counter()
-            keys = _passkey.random_keys(rng, args.keys)
-            prompts = _passkey.build_prompts(tok, ctx, depth / 100, keys, args.format)
-            answers = _passkey.run_cell(params, runner, prompts, specs, strict_prefill=args.strict_prefill)
+            group = args.depths[g:g + per_batch]
+            cells = []
+            for depth in group:
+                keys = _passkey.random_keys(rng, args.keys)
+                cells.append((depth, keys, _passkey.build_prompts(tok, ctx, depth / 100, keys, args.format, args.filler,
+                                                                  filler_seed=(args.seed, ctx, depth))))
+            prompts = _passkey.Prompts(np.concatenate([c[2].context for c in cells]), cells[0][2].question,
+                                       tuple(k for c in cells for k in c[1]))
+            answers = _passkey.run_cell(params, runner, prompts, specs, strict_prefill=args.strict_prefill,
+                                        question_steps=args.question_steps)
             for label, ids in answers.items():
                 texts = [tok.decode(a) for a in ids]
-                acc[label][ctx, depth] = score_answers(texts, keys)
-                examples[label, ctx, depth] = (keys[0], texts[0])
+                for j, (depth, keys, _) in enumerate(cells):
+                    cell = texts[j * args.keys:(j + 1) * args.keys]
+                    acc[label][ctx, depth] = score_answers(cell, keys)
+                    examples[label, ctx, depth] = (keys[0], cell[0])
             _log(
-                f"context {ctx}, depth {depth}%: "
-                + ", ".join(f"{label} {acc[label][ctx, depth]:.0f}%" for label in acc)
+                f"context {ctx}, depths {','.join(map(str, group))}%: "
+                + ", ".join(f"{label} " + "/".join(f"{acc[label][ctx, d]:.0f}" for d in group) for label in acc)
                 + f" ({time.perf_counter() - t0:.0f} s)"
             )
     lines = _header("SmolLM2-135M passkey retrieval through each KV cache", argv, time.perf_counter() - t_all, load_avg)
-    lines += passkey_markdown(acc, examples, contexts=args.contexts, depths=args.depths, keys=args.keys, seed=args.seed, fmt=args.format, strict_prefill=args.strict_prefill)
+    lines += passkey_markdown(acc, examples, contexts=args.contexts, depths=args.depths, keys=args.keys, seed=args.seed, fmt=args.format, strict_prefill=args.strict_prefill,
+                              filler=args.filler, question_steps=args.question_steps)
     _write(args.out, "\n".join(lines) + "\n")
     return 0
 
@@ -418,6 +436,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=_passkey.FORMATS, default="chat", help="prompt format (default %(default)s: scores best with the bf16 cache)")
     p.add_argument("--seed", type=int, default=0, help="seed of the keys (default %(default)s)")
     p.add_argument("--strict-prefill", action="store_true", help="prefill the context through each cache under test instead of loading exact K/V")
+    p.add_argument("--filler", choices=_passkey.FILLERS, default="varied", help="varied: every prompt draws its own filler sentences; fixed: one repeated filler for all (the tables before issue 31) (default %(default)s)")
+    p.add_argument("--question-steps", action="store_true", help="feed the question one token per step (the tables before issue 31) instead of in one step")
+    p.add_argument("--batch", type=_positive, default=50, help="prompts per batch: the depths of one context run together, --keys per depth (default %(default)s; memory grows with it)")
     p.set_defaults(func=cmd_passkey)
 
     s = sub.add_parser("speed", help="decode tokens/s, greedy text, bytes, and the check against transformers")

@@ -7,13 +7,19 @@ filler, then the question ("What is the pass key? The pass key is"). The model
 greedy-decodes :data:`ANSWER_TOKENS` tokens; a prompt scores 1 when the first run of
 digits in the answer is exactly the key.
 
+Filler: ``"fixed"`` repeats :data:`FILLER` for every key (the earlier stops' tables: a
+cell's keys then differ only in their digits, and they pass or fail together);
+``"varied"`` (the default) gives every prompt its own draw of sentences from
+:data:`FILLER_POOL`, so a cell's keys are independent draws.
+
 Protocol (docs/serving-smollm2.md): per batch of prompts (one (context, depth) cell,
 ``keys`` random keys), everything before the question is prefilled **once**, on exact
 K/V with the bf16 cache's math, and each layer's resulting K/V are appended to every
 cache under test (``caches.load_kv``: ``kvcache.append``, so a compressed cache
-quantizes them as usual and keeps only its exact window). The question is then fed one
-token per step through each cache and the answer greedy-decoded through it, so the key
-is found by attention over the cache's codes. Servers prefill on exact K/V too; with
+quantizes them as usual and keeps only its exact window). The question is then fed
+through each cache (one step of all its tokens by default, or one token per step) and
+the answer greedy-decoded through it, so the key is found by attention over the cache's
+codes. Servers prefill on exact K/V too; with
 ``strict_prefill`` the context is instead prefilled through the cache under test
 (every read from the cache, as in the in-loop protocol).
 """
@@ -30,6 +36,14 @@ import numpy as np
 from .caches import CacheSpec, DenseCache, dense_kv, init_cache, load_kv, make_step
 
 FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+# "varied" filler: neutral sentences without digits, drawn independently for every prompt.
+FILLER_POOL = (
+    " The grass is green.", " The sky is blue.", " The sun is yellow.", " Here we go.", " There and back again.",
+    " The river is wide.", " The wind is calm.", " The road is long.", " The bread is warm.", " The stone is grey.",
+    " Birds sing in the trees.", " The lamp is on.", " The door is open.", " The sea is deep.",
+    " Snow falls in winter.", " The cat is asleep.", " The tea is hot.", " Leaves move in the wind.",
+)
+FILLERS = ("varied", "fixed")
 INSTRUCTION = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
     "I will quiz you about the important info there."
@@ -54,17 +68,25 @@ def _ids(tok, text: str) -> list:
     return list(tok(text, add_special_tokens=False).input_ids)
 
 
-def build_prompts(tok, context: int, depth: float, keys, fmt: str = "plain") -> Prompts:
+def build_prompts(tok, context: int, depth: float, keys, fmt: str = "plain", filler: str = "fixed",
+                  filler_seed=0) -> Prompts:
     """``len(keys)`` prompts of exactly ``context`` tokens, the key at ``depth`` (0..1)
-    of the filler (snapped to a whole filler sentence group).
+    of the filler (snapped to a whole :data:`FILLER` group with ``filler="fixed"``, to
+    the nearest sentence boundary with ``"varied"``).
+
+    ``filler="varied"`` draws each prompt's sentences from :data:`FILLER_POOL` with
+    ``np.random.default_rng([*filler_seed, i])`` (``i``: the prompt's index; an int
+    seed counts as a 1-tuple), so the prompts do not share one filler.
 
     ``fmt="chat"`` wraps instruction, haystack and "What is the pass key?" in SmolLM2's
     chat template (user turn) and starts the assistant's turn with "The pass key is".
 
     Raises:
-        ValueError: ``depth`` outside 0..1, an unknown format, or a context too short
-            to hold instruction, key and question.
+        ValueError: ``depth`` outside 0..1, an unknown format or filler, or a context
+            too short to hold instruction, key and question.
     """
+    if filler not in FILLERS:
+        raise ValueError(f"`filler` must be one of {FILLERS}, got {filler!r}.")
     if not 0 <= depth <= 1:
         raise ValueError(f"`depth` must be in 0..1 (a fraction of the filler), got {depth}.")
     if fmt not in FORMATS:
@@ -84,8 +106,10 @@ def build_prompts(tok, context: int, depth: float, keys, fmt: str = "plain") -> 
         head_ids = _ids(tok, INSTRUCTION)
         question = _ids(tok, QUESTION)
     unit = _ids(tok, FILLER)
+    pool = [_ids(tok, s) for s in FILLER_POOL]
+    seed = list(np.atleast_1d(filler_seed).astype(np.int64))
     rows = []
-    for key in keys:
+    for i, key in enumerate(keys):
         key_ids = _ids(tok, KEY_SENTENCE.format(key=key))
         n_fill = context - len(head_ids) - len(key_ids) - len(question)
         if n_fill < 0:
@@ -93,9 +117,18 @@ def build_prompts(tok, context: int, depth: float, keys, fmt: str = "plain") -> 
                 f"context={context} tokens cannot hold the instruction, key sentence and question "
                 f"({context - n_fill} tokens): use a longer context."
             )
-        filler = (unit * (n_fill // len(unit) + 1))[:n_fill]
-        at = min(int(round(depth * n_fill / len(unit))) * len(unit), n_fill)
-        rows.append(head_ids + filler[:at] + key_ids + filler[at:])
+        if filler == "fixed":
+            fill = (unit * (n_fill // len(unit) + 1))[:n_fill]
+            at = min(int(round(depth * n_fill / len(unit))) * len(unit), n_fill)
+        else:
+            rng = np.random.default_rng([*seed, i])
+            fill, bounds = [], [0]
+            while len(fill) < n_fill:
+                fill += pool[int(rng.integers(len(pool)))]
+                bounds.append(min(len(fill), n_fill))
+            fill = fill[:n_fill]
+            at = min(bounds, key=lambda b: abs(b - depth * n_fill))
+        rows.append(head_ids + fill[:at] + key_ids + fill[at:])
     ctx = np.asarray(rows, np.int32)
     assert ctx.shape == (len(keys), context - len(question)), ctx.shape
     return Prompts(ctx, np.asarray(question, np.int32), tuple(keys))
@@ -128,13 +161,14 @@ class Runner:
         self.decode = jax.jit(decode, donate_argnums=1)
 
 
-def run_cell(params, runner: Runner, prompts: Prompts, specs: list[CacheSpec], *, strict_prefill: bool = False):
+def run_cell(params, runner: Runner, prompts: Prompts, specs: list[CacheSpec], *, strict_prefill: bool = False,
+             question_steps: bool = False):
     """Answers (token ids ``[K, ANSWER_TOKENS]``) of every spec on one cell's prompts.
 
     The bf16 cache prefills the context; its K/V are loaded into every cache under
     test (or, with ``strict_prefill``, each compressed cache prefills the context
-    itself); the question and the answer then go one token per step through each.
-    Returns ``{label: answers}``.
+    itself); the question then goes through each (one step, or one token per step with
+    ``question_steps``) and the answer one token per step. Returns ``{label: answers}``.
     """
     cfg = runner.cfg
     k, t = prompts.context.shape
@@ -154,18 +188,24 @@ def run_cell(params, runner: Runner, prompts: Prompts, specs: list[CacheSpec], *
         else:
             cache = runner.load(cache, *kv)
         assert isinstance(cache, DenseCache) or cache.lengths.shape[-1] == k
-        out[spec.label] = answer(params, runner, cache, prompts.question)
+        out[spec.label] = answer(params, runner, cache, prompts.question, question_steps=question_steps)
     return out
 
 
-def answer(params, runner: Runner, cache, question) -> np.ndarray:
-    """Feed ``question`` (token ids, the same for every sequence) one token per step
-    through ``cache`` (donated), then greedy-decode; the answers' token ids ``[B,
-    ANSWER_TOKENS]``."""
+def answer(params, runner: Runner, cache, question, *, question_steps: bool = False) -> np.ndarray:
+    """Feed ``question`` (token ids, the same for every sequence) through ``cache``
+    (donated), then greedy-decode; the answers' token ids ``[B, ANSWER_TOKENS]``.
+
+    The question goes in one step of all its tokens (each attends over the cache and
+    the question's tokens before it, as one token per step would; with an exact window
+    of at least the question's length the two differ only in rounding), or one token
+    per step with ``question_steps``.
+    """
     b = int(cache.lengths.shape[-1])
     tok = None
-    for q in question:
-        tok, cache = runner.decode(params, cache, jnp.full((b, 1), q, jnp.int32))
+    chunks = [[q] for q in question] if question_steps else [list(question)]
+    for q in chunks:
+        tok, cache = runner.decode(params, cache, jnp.tile(jnp.asarray(q, jnp.int32)[None], (b, 1)))
     out = [tok]
     for _ in range(ANSWER_TOKENS - 1):
         tok, cache = runner.decode(params, cache, tok)
