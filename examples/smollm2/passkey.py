@@ -162,17 +162,26 @@ class Runner:
 
 
 def run_cell(params, runner: Runner, prompts: Prompts, specs: list[CacheSpec], *, strict_prefill: bool = False,
-             question_steps: bool = False):
+             question_steps: bool = False, capacity: int | None = None):
     """Answers (token ids ``[K, ANSWER_TOKENS]``) of every spec on one cell's prompts.
 
     The bf16 cache prefills the context; its K/V are loaded into every cache under
     test (or, with ``strict_prefill``, each compressed cache prefills the context
     itself); the question then goes through each (one step, or one token per step with
     ``question_steps``) and the answer one token per step. Returns ``{label: answers}``.
+
+    ``capacity`` (default: what the prompts need) sets every cache's size: give cells of
+    several contexts one capacity and each cache's decode steps compile once for all of
+    them (attention walks only the filled blocks, so a larger capacity costs memory, not
+    time).
     """
     cfg = runner.cfg
     k, t = prompts.context.shape
-    capacity = t + len(prompts.question) + ANSWER_TOKENS
+    need = t + len(prompts.question) + ANSWER_TOKENS
+    if capacity is None:
+        capacity = need
+    elif capacity < need:
+        raise ValueError(f"capacity={capacity} cannot hold these prompts and answers ({need} tokens).")
     ctx = jnp.asarray(prompts.context)
     kv = None
     if not strict_prefill or any(s.kind == "bf16" for s in specs):
