@@ -55,14 +55,15 @@ def chunks(n: int, seed: int = 0):
 
 class Store:
     """A StorageManager over the RESP adapter at ``port`` with the tq_jax serde
-    (``adapter``: another adapter type and its extra keys, e.g. ``resp_reconnect``)."""
+    (``adapter``: another adapter type and its extra keys, e.g. ``resp_reconnect``;
+    ``l1_gb``: its L1's size)."""
 
-    def __init__(self, port: int, preset: str, adapter: dict | None = None, **serde) -> None:
+    def __init__(self, port: int, preset: str, adapter: dict | None = None, l1_gb: float = L1_GB, **serde) -> None:
         register()
         self.serde = {"type": "tq_jax", "preset": preset, **serde}
         self.events = Events()
         spec = {"type": "resp", **(adapter or {}), "host": "127.0.0.1", "port": port, "serde": self.serde}
-        self.sm = build_manager(spec, l1_gb=L1_GB)
+        self.sm = build_manager(spec, l1_gb=l1_gb)
         ser, _ = registry.build_serde(registry.parse_options({k: v for k, v in self.serde.items() if k != "type"}))
         self.size = ser.estimate_serialized_size(LAYOUT)
 
@@ -164,9 +165,9 @@ def shared_store(module_redis_server, _close_shared, request):  # noqa: F811
 def open_store():
     made = []
 
-    def make(port, preset, adapter=None, **serde):
+    def make(port, preset, adapter=None, **kw):
         _SHARED.close()
-        made.append(Store(port, preset, adapter, **serde))
+        made.append(Store(port, preset, adapter, **kw))
         return made[-1]
 
     yield make
@@ -355,8 +356,11 @@ def test_server_killed_mid_load(redis_server, open_store, preset):  # noqa: F811
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["compat-4bit", "turbo-3.5"])
 def test_server_at_maxmemory(small_redis_server, open_store, preset):  # noqa: F811
-    """4 MiB with allkeys-lru and ~6 MiB of values: Redis evicts; loads miss or are right."""
-    st = open_store(small_redis_server.port, preset)
+    """4 MiB with allkeys-lru and ~6 MiB of values: Redis evicts; loads miss or are right.
+    L1 holds every chunk here (Redis's eviction is the subject, test_l1_evicts_to_redis
+    covers L1's): through the 32-chunk L1, LMCache's once-a-second eviction paced the
+    writes at about 30 s a preset."""
+    st = open_store(small_redis_server.port, preset, l1_gb=0.032)  # 256 chunks of 128 KiB
     n = 6 * 2**20 // st.size + 1
     keys, data = [okey(i, "full") for i in range(n)], chunks(n, seed=8)
     ok, failed = st.put(keys, data)
