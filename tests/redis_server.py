@@ -40,19 +40,34 @@ def require_binary() -> str:
     return path
 
 
+class PortTaken(RuntimeError):
+    """The server exited at start: another process holds its port."""
+
+
 class RedisServer:
     """One ``redis-server`` process on ``127.0.0.1:port``; restartable on the same port."""
 
     def __init__(self, binary: str, *, maxmemory: str | None = None) -> None:
         self.binary = binary
-        self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="tq_jax-redis-")
         self.maxmemory = maxmemory
         self.proc: subprocess.Popen | None = None
-        self.start()
+        for attempt in range(3):  # a port free a moment ago can be taken before the server binds it
+            self.port = free_port()
+            try:
+                self.start()
+                break
+            except PortTaken:
+                if attempt == 2:
+                    raise
 
     def start(self) -> None:
-        """Starts an empty server (persistence off) and waits until it answers PING."""
+        """Starts an empty server (persistence off) and waits until it answers, as itself:
+        ``INFO``'s process id is this server's, never another's on the same port.
+
+        Raises:
+            PortTaken: the server exited at start (its port was in use).
+        """
         args = [self.binary, "--bind", HOST, "--port", str(self.port), "--dir", self.dir,
                 "--save", "", "--appendonly", "no", "--protected-mode", "yes", "--loglevel", "warning"]
         if self.maxmemory:
@@ -60,17 +75,22 @@ class RedisServer:
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise PortTaken(f"redis-server exited at start (code {self.proc.returncode}): {HOST}:{self.port} in use?")
             try:
-                if self.client().ping():
+                if int(self.client(timeout=0.5).info("server")["process_id"]) == self.proc.pid:
                     return
             except Exception:  # noqa: BLE001 - not up yet
-                time.sleep(0.02)
+                pass
+            time.sleep(0.02)
+        if self.proc.poll() is not None:
+            raise PortTaken(f"redis-server exited at start (code {self.proc.returncode}): {HOST}:{self.port} in use?")
         raise RuntimeError(f"redis-server did not answer on {HOST}:{self.port} within 10 s")
 
-    def client(self):
+    def client(self, timeout: float = 5):
         import redis
 
-        return redis.Redis(host=HOST, port=self.port, socket_timeout=5)
+        return redis.Redis(host=HOST, port=self.port, socket_timeout=timeout, socket_connect_timeout=timeout)
 
     def kill(self) -> None:
         """SIGKILL: the server dies with whatever it held (nothing persists)."""
