@@ -17,6 +17,14 @@ import tomllib
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# One OpenBLAS thread for numpy in the test process and the subprocesses it starts (set
+# here, before anything imports numpy; an OPENBLAS_NUM_THREADS of your own wins). On 2
+# cores shared with XLA's threads and other jobs, OpenBLAS's threads waited on each other:
+# a float64 QR of 576 x 576 (a Haar rotation) took 1.6-3.8 s instead of 0.02 s. Results do
+# not depend on it: test_rotation checks the rotations' digests on 1 and 2 OpenBLAS threads.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 # The extras a full test run installs (the hint below); their requirements are read
 # from pyproject.toml, so a dependency added there is checked here with no second edit.
 TEST_EXTRAS = ("cli", "lmcache", "test")

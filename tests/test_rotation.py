@@ -241,15 +241,21 @@ def test_golden_digests():
 
 def test_haar_rotation_ignores_the_blas_kernel():
     """The float64 QR's last bits vary with OpenBLAS's kernel (Prescott/SSE3 vs the
-    host's); rounded to float32 they do not (measured: 4 OpenBLAS kernels, d <= 576)."""
+    host's); rounded to float32 they do not (measured: 4 OpenBLAS kernels, d <= 576).
+    Nor with its threads: the host's kernel on 2 threads (conftest gives this process one)."""
     code = (
         "import hashlib, json, sys; from tq_jax.rotation import haar_rotation; "
         "print(json.dumps([hashlib.sha256(haar_rotation(d, s).tobytes()).hexdigest()[:32] "
         f"for d, s in {list(GOLDEN_HAAR)!r}]))"
     )
-    env = dict(os.environ, OPENBLAS_CORETYPE="Prescott", OPENBLAS_NUM_THREADS="1")
-    got = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True)
-    assert json.loads(got.stdout.strip().splitlines()[-1]) == list(GOLDEN_HAAR.values())
+    envs = [dict(os.environ, OPENBLAS_CORETYPE="Prescott", OPENBLAS_NUM_THREADS="1"),
+            {**{k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}, "OPENBLAS_NUM_THREADS": "2"}]
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for env in envs]
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+        assert json.loads(out.strip().splitlines()[-1]) == list(GOLDEN_HAAR.values())
 
 
 @pytest.mark.slow
