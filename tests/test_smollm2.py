@@ -99,38 +99,64 @@ def _key_at(row, key_ids):
     return hits[0]
 
 
+def _sentences(fill, sentences, *, cut_at_end):
+    """``fill`` parsed into the ``sentences`` it is made of, in order (the last one may
+    be cut where the filler ends, when ``cut_at_end``)."""
+    out, i = [], 0
+    while i < len(fill):
+        rest = len(fill) - i
+        match = [s for s in sentences
+                 if tuple(fill[i:i + len(s)]) == (s[:rest] if cut_at_end and rest < len(s) else s)]
+        # a whole sentence matches one way; a cut one may start like several
+        assert len(match) == 1 or (match and cut_at_end and rest < max(map(len, match))), fill[i:]
+        out.append(match[0])
+        i += len(match[0])
+    return out
+
+
+@pytest.mark.parametrize("filler", ["varied", "pool"])
 @pytest.mark.parametrize("depth", [0.0, 0.3, 1.0])
-def test_passkey_varied_filler_is_a_draw_per_prompt_at_the_depth(depth):
-    """``filler="varied"``: each prompt its own sentences from the pool (the keys of a
-    cell are not one draw), the key at a sentence boundary within one sentence of the
-    asked depth, exactly ``context`` tokens, the same prompts again for the same seed."""
+def test_passkey_drawn_filler_is_a_draw_per_prompt_at_the_depth(filler, depth):
+    """``filler="varied"`` and ``"pool"``: each prompt its own filler (the keys of a cell
+    are not one draw), the key at a sentence boundary within one sentence of the asked
+    depth, exactly ``context`` tokens, the same prompts again for the same seed.
+    ``varied`` is :data:`FILLER`'s five sentences, each repetition a permutation of them;
+    ``pool`` draws its sentences from all of :data:`FILLER_POOL`."""
     tok = _WordTokenizer()
     keys = ["11111", "22222", "33333", "44444"]
-    p = passkey.build_prompts(tok, 300, depth, keys, "plain", "varied", filler_seed=(0, 300, 30))
+    p = passkey.build_prompts(tok, 300, depth, keys, "plain", filler, filler_seed=(0, 300, 30))
     question, head = tok(passkey.QUESTION).input_ids, tok(passkey.INSTRUCTION).input_ids
     assert p.context.shape == (4, 300 - len(question)) and list(p.question) == question
-    sentences = {tuple(tok(s).input_ids) for s in passkey.FILLER_POOL}
-    longest = max(map(len, sentences))
-    fillers = []
+    five = [tuple(tok(s).input_ids) for s in passkey.FILLER_POOL[:5]]
+    assert sum(five, ()) == tuple(tok(passkey.FILLER).input_ids)
+    allowed = five if filler == "varied" else [tuple(tok(s).input_ids) for s in passkey.FILLER_POOL]
+    longest = max(map(len, allowed))
+    fillers, used = [], set()
     for row, key in zip(p.context, keys):
         key_ids = tok(passkey.KEY_SENTENCE.format(key=key)).input_ids
         at = _key_at(row, key_ids)
-        fill = list(row[len(head):at]) + list(row[at + len(key_ids):])
-        n_fill = len(fill)
-        assert abs((at - len(head)) - depth * n_fill) <= longest
-        # the filler before the key is whole pool sentences (the last one cut where the
-        # filler ends, when the key comes right after all of it)
-        before, i = list(row[len(head):at]), 0
-        last = at + len(key_ids) == len(row)
-        while i < len(before):
-            match = [s for s in sentences if tuple(before[i:i + len(s)]) == s[:len(before) - i if last else len(s)]]
-            assert match, before[i:]
-            i += len(match[0])
+        before, after = list(row[len(head):at]), list(row[at + len(key_ids):])
+        fill = before + after
+        assert abs(len(before) - depth * len(fill)) <= longest
+        # the key sits between whole sentences: the filler before it parses on its own
+        # (its last sentence cut only when the key comes after all of the filler)
+        _sentences(before, allowed, cut_at_end=not after)
+        parsed = _sentences(fill, allowed, cut_at_end=True)
+        used.update(parsed)
+        if filler == "varied":
+            for g in range(0, len(parsed), 5):
+                group = parsed[g:g + 5]
+                if len(group) == 5:
+                    assert sorted(group) == sorted(five), group
+                else:  # the filler ends inside this repetition: no sentence twice
+                    assert len(set(group)) == len(group)
         fillers.append(tuple(fill))
     assert len(set(fillers)) == len(keys)
-    again = passkey.build_prompts(tok, 300, depth, keys, "plain", "varied", filler_seed=(0, 300, 30))
+    if filler == "pool":
+        assert len(used) > 5  # it reaches past FILLER's five sentences
+    again = passkey.build_prompts(tok, 300, depth, keys, "plain", filler, filler_seed=(0, 300, 30))
     np.testing.assert_array_equal(again.context, p.context)
-    other = passkey.build_prompts(tok, 300, depth, keys, "plain", "varied", filler_seed=(1, 300, 30))
+    other = passkey.build_prompts(tok, 300, depth, keys, "plain", filler, filler_seed=(1, 300, 30))
     assert not np.array_equal(other.context, p.context)
 
 

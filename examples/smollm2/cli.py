@@ -222,11 +222,13 @@ def passkey_markdown(acc, examples, *, contexts, depths, keys: int, seed: int, f
         "math, and each layer's K/V are appended to every cache under test (`kvcache.append`: quantized as usual, "
         "the newest kept exact in the cache's window if it has one)"
     )
-    filler_text = (
-        f"filler (\"{_passkey.FILLER.strip()}\" repeated)" if filler == "fixed" else
-        f"filler (every prompt its own random draw of {len(_passkey.FILLER_POOL)} neutral sentences, "
-        f"\"{_passkey.FILLER_POOL[0].strip()}\" and the like: `--filler varied`)"
-    )
+    filler_text = {
+        "fixed": f"filler (\"{_passkey.FILLER.strip()}\" repeated)",
+        "varied": f"filler (\"{_passkey.FILLER.strip()}\" repeated, each repetition's five sentences in an "
+        "order drawn for every prompt: `--filler varied`)",
+        "pool": f"filler (every prompt its own random draw of sentences from {len(_passkey.FILLER_POOL)} neutral "
+        f"ones, \"{_passkey.FILLER_POOL[-1].strip()}\" and the like: `--filler pool`)",
+    }[filler]
     question = "one token per step" if question_steps else "in one step (all its tokens)"
     lines = [
         f"Prompt ({fmt} format): an instruction, {filler_text}, the key "
@@ -437,7 +439,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=_passkey.FORMATS, default="chat", help="prompt format (default %(default)s: scores best with the bf16 cache)")
     p.add_argument("--seed", type=int, default=0, help="seed of the keys (default %(default)s)")
     p.add_argument("--strict-prefill", action="store_true", help="prefill the context through each cache under test instead of loading exact K/V")
-    p.add_argument("--filler", choices=_passkey.FILLERS, default="varied", help="varied: every prompt draws its own filler sentences; fixed: one repeated filler for all (the tables before issue 31) (default %(default)s)")
+    p.add_argument("--filler", choices=_passkey.FILLERS, default="varied", help="varied: the standard filler's sentences in an order drawn per prompt; fixed: one repeated filler for all (the tables before issue 31); pool: sentences drawn per prompt from a larger pool (harder) (default %(default)s)")
     p.add_argument("--question-steps", action="store_true", help="feed the question one token per step (the tables before issue 31) instead of in one step")
     p.add_argument("--batch", type=_positive, default=50, help="prompts per batch: the depths of one context run together, --keys per depth (default %(default)s; memory grows with it)")
     p.set_defaults(func=cmd_passkey)

@@ -9,8 +9,11 @@ digits in the answer is exactly the key.
 
 Filler: ``"fixed"`` repeats :data:`FILLER` for every key (the earlier stops' tables: a
 cell's keys then differ only in their digits, and they pass or fail together);
-``"varied"`` (the default) gives every prompt its own draw of sentences from
-:data:`FILLER_POOL`, so a cell's keys are independent draws.
+``"varied"`` (the default) gives every prompt its own order of :data:`FILLER`'s five
+sentences (each repetition a random permutation of them), so a cell's keys are
+independent draws of the same text; ``"pool"`` draws every sentence from the 18 of
+:data:`FILLER_POOL` instead (a harder haystack: SmolLM2-135M on the bf16 cache finds
+under a third of the keys at 2048 tokens with it).
 
 Protocol (docs/serving-smollm2.md): per batch of prompts (one (context, depth) cell,
 ``keys`` random keys), everything before the question is prefilled **once**, on exact
@@ -43,7 +46,7 @@ FILLER_POOL = (
     " Birds sing in the trees.", " The lamp is on.", " The door is open.", " The sea is deep.",
     " Snow falls in winter.", " The cat is asleep.", " The tea is hot.", " Leaves move in the wind.",
 )
-FILLERS = ("varied", "fixed")
+FILLERS = ("varied", "fixed", "pool")
 INSTRUCTION = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
     "I will quiz you about the important info there."
@@ -72,9 +75,10 @@ def build_prompts(tok, context: int, depth: float, keys, fmt: str = "plain", fil
                   filler_seed=0) -> Prompts:
     """``len(keys)`` prompts of exactly ``context`` tokens, the key at ``depth`` (0..1)
     of the filler (snapped to a whole :data:`FILLER` group with ``filler="fixed"``, to
-    the nearest sentence boundary with ``"varied"``).
+    the nearest sentence boundary otherwise).
 
-    ``filler="varied"`` draws each prompt's sentences from :data:`FILLER_POOL` with
+    ``filler="varied"`` orders each prompt's sentences (a permutation of :data:`FILLER`'s
+    five per repetition), ``"pool"`` draws them from :data:`FILLER_POOL`, both with
     ``np.random.default_rng([*filler_seed, i])`` (``i``: the prompt's index; an int
     seed counts as a 1-tuple), so the prompts do not share one filler.
 
@@ -107,6 +111,8 @@ def build_prompts(tok, context: int, depth: float, keys, fmt: str = "plain", fil
         question = _ids(tok, QUESTION)
     unit = _ids(tok, FILLER)
     pool = [_ids(tok, s) for s in FILLER_POOL]
+    five = [_ids(tok, s) for s in FILLER_POOL[:5]]
+    assert sum(five, []) == unit, "FILLER_POOL starts with FILLER's sentences"
     seed = list(np.atleast_1d(filler_seed).astype(np.int64))
     rows = []
     for i, key in enumerate(keys):
@@ -124,8 +130,11 @@ def build_prompts(tok, context: int, depth: float, keys, fmt: str = "plain", fil
             rng = np.random.default_rng([*seed, i])
             fill, bounds = [], [0]
             while len(fill) < n_fill:
-                fill += pool[int(rng.integers(len(pool)))]
-                bounds.append(min(len(fill), n_fill))
+                draw = ([pool[int(rng.integers(len(pool)))]] if filler == "pool"
+                        else [five[j] for j in rng.permutation(len(five))])
+                for sentence in draw:
+                    fill += sentence
+                    bounds.append(min(len(fill), n_fill))
             fill = fill[:n_fill]
             at = min(bounds, key=lambda b: abs(b - depth * n_fill))
         rows.append(head_ids + fill[:at] + key_ids + fill[at:])
