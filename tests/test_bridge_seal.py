@@ -9,6 +9,7 @@ destination untouched (nothing decoded), and every accepted value against
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 
@@ -111,6 +112,21 @@ def test_checksummed_value_is_bound_to_its_key(preset):
         assert "names another key" in str(err) and S.describe_key(other) in str(err)
     # A value without the trailer (a bare checksummed blob) or without a checksum is refused.
     assert isinstance(load(de, value[:size] + bytes(S.KEY_TRAILER_BYTES), k), S.KeyMismatchError)
+
+
+def test_turbo_4_preset_through_the_serde():
+    """The bridge's ``preset: turbo-4``: the bytes tq_jax.dumps writes with the preset
+    (K5V3, 6-bit log norms, CRC) and the key trailer, at most 4.25 bits per element,
+    and the blob's decoded values back."""
+    ser, de = serde_pair("turbo-4")
+    k, obj = okey(5), chunk(5)
+    size = tq_jax.Options(**tq_jax.PRESETS["turbo-4"]).serialized_size(STORED, "bfloat16")
+    value = store(ser, obj, k)
+    assert len(value) == size + S.KEY_TRAILER_BYTES and 8 * size / math.prod(STORED) <= 4.25
+    h = tq_jax.peek_header(value[:size])
+    assert (h.bits, h.value_bits, h.norm_bits, h.rotation, h.checksum) == (5, 3, 6, "hadamard", True)
+    assert value[:size] == tq_jax.dumps(dlpack.numpy_view(obj.tensor).reshape(STORED), **tq_jax.PRESETS["turbo-4"])
+    assert torch.equal(load(de, value, k), expected(value[:size]))
 
 
 def test_binding_reader_refuses_a_blob_without_crc_even_with_the_right_trailer():

@@ -249,23 +249,25 @@ def test_bench_charts_say_which_way_is_better_and_label_fp8():
 
 
 def test_turbo_preset_and_norm_bits_flag_reach_the_blobs(tmp_path, capsys):
-    """`--preset turbo-3.5` writes the preset's blobs (same bytes as tq_jax.dumps with
-    it); `--norm-bits` overrides the preset's norm codes; inspect names them."""
+    """`--preset turbo-3.5` / `turbo-4` write the preset's blobs (same bytes as
+    tq_jax.dumps with it); `--norm-bits` overrides the preset's norm codes; inspect
+    names them."""
     import tq_jax
 
     x = np.random.default_rng(4).standard_normal((2, 3, 16, 2, 64)).astype(np.float32)
     src = tmp_path / "kv.safetensors"
     st.save_file({"kv": x}, src)
-    for extra, norm_bits in (((), 6), (("--norm-bits", "4"), 4)):
-        out = tmp_path / f"c{norm_bits}.safetensors"
-        assert cli.main(["compress", str(src), str(out), "--head-dim", "64", "--preset", "turbo-3.5", *extra, "-q"]) == 0
+    for preset, extra, norm_bits, bits in (("turbo-3.5", (), 6, (4, 3)), ("turbo-3.5", ("--norm-bits", "4"), 4, (4, 3)),
+                                           ("turbo-4", (), 6, (5, 3))):
+        out = tmp_path / f"{preset}-{norm_bits}.safetensors"
+        assert cli.main(["compress", str(src), str(out), "--head-dim", "64", "--preset", preset, *extra, "-q"]) == 0
         blob = st.load_file(out)[0]["kv"].tobytes()
         h = tq_jax.peek_header(blob)
-        assert (h.bits, h.value_bits, h.norm_bits, h.rotation) == (4, 3, norm_bits, "hadamard")
-        want = dict(tq_jax.PRESETS["turbo-3.5"], norm_bits=norm_bits)
+        assert (h.bits, h.value_bits, h.norm_bits, h.rotation) == (*bits, norm_bits, "hadamard")
+        want = dict(tq_jax.PRESETS[preset], norm_bits=norm_bits)
         assert blob == tq_jax.dumps(x, **want)
     capsys.readouterr()
-    assert cli.main(["inspect", str(tmp_path / "c6.safetensors")]) == 0  # in process: the entry point is tested apart
+    assert cli.main(["inspect", str(tmp_path / "turbo-3.5-6.safetensors")]) == 0  # in process: the entry point is tested apart
     assert "6-bit log norms" in capsys.readouterr().out
 
 

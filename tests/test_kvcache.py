@@ -404,7 +404,7 @@ def test_default_block_fills_about_block_bytes_of_float32_keys():
         assert 2 * block * per_token > kvcache.BLOCK_BYTES or block == kvcache.BLOCK_TOKENS
 
 
-@pytest.mark.parametrize("preset", sweep(["turbo-3.5", "turbo-2.5"]))
+@pytest.mark.parametrize("preset", sweep(["turbo-4", "turbo-3.5", "turbo-2.5"]))
 def test_load_of_a_turbo_blob_attends_as_its_decoded_values(preset):
     """Log-coded norms are decoded and norm correction folded into the float16 norm:
     the cache then attends over what tq_jax.loads decodes, to float16 rounding."""

@@ -172,6 +172,9 @@ def test_default_window_and_memory_at_8k_and_32k_tokens():
         assert kvcache.nbytes(cache) <= bound * bf16
         assert kvcache.nbytes(cache) - kvcache.nbytes(kvcache.init(1, tokens, 8, 128, window=0, sinks=0)) == (
             2 * (kvcache.DEFAULT_WINDOW + kvcache.DEFAULT_SINKS) * 8 * 128 * 2)
+        # turbo-4 (K5V3) in the cache costs 4/4's bytes: 5 + 3 bits per coordinate of K and V, the same window
+        turbo4 = kvcache.init(1, tokens, 8, 128, options="turbo-4")
+        assert turbo4.config.window == kvcache.DEFAULT_WINDOW and kvcache.nbytes(turbo4) == kvcache.nbytes(cache)
     short = kvcache.init(1, 3, 2, 64).config  # a short cache: the window and sinks are all of it
     assert (short.window, short.sinks) == (3, 3)
 
@@ -179,6 +182,8 @@ def test_default_window_and_memory_at_8k_and_32k_tokens():
 @pytest.mark.parametrize("kwargs,window", [
     (dict(), 128),
     (dict(options="turbo-3.5"), 128),  # K4V3
+    (dict(options="turbo-4"), 128),  # K5V3
+    (dict(key_bits=6, value_bits=2), 256),  # 4/4's bytes too, but 2-bit values: +1.2 % with 128
     (dict(key_bits=3, value_bits=3), 128),
     (dict(options="turbo-2.5"), 256),  # K3V2: 2-bit values get the longer window
     (dict(key_bits=2, value_bits=4), 256),
