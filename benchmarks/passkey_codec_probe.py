@@ -118,6 +118,54 @@ def split_codec(x, *, m: int, hi: int, lo: int, rotation: str, seed: int, norm_c
     return jnp.take_along_axis(yp, jnp.argsort(perm, axis=-1), axis=-1)
 
 
+NORM_BITS = 16  # the cache's float16 norm: what each coded group of a vector costs besides its codes
+
+
+def waterfill_bits(energy, bits: int, *, norm_bits: int = NORM_BITS, max_bits: int = 8):
+    """Integer bits per RoPE pair (``energy [P]``: the pairs' mean key energy) at the
+    bytes of a ``bits``-bit TurboQuant key (``bits * 2P`` code bits and one norm):
+    greedy reverse water-filling (each step gives one more bit to both channels of the
+    pair whose Gaussian distortion ``e * 4**-b`` is largest; 0 bits: the pair is read as
+    0), with ``norm_bits`` charged for each group of equal nonzero bits (each group is
+    coded apart, with its own norm). The fewest groups whose allocation fits."""
+    energy = np.asarray(energy, np.float64)
+    total = bits * 2 * len(energy) + norm_bits
+    for groups in range(1, max_bits + 1):
+        b = np.zeros(len(energy), np.int64)
+        for _ in range((total - norm_bits * groups) // 2):
+            gain = np.where(b < max_bits, energy * 4.0 ** -b, -1.0)
+            b[int(np.argmax(gain))] += 1
+        if len(set(b[b > 0].tolist())) <= groups:
+            return b
+    raise AssertionError("no allocation fits")  # groups = max_bits always does
+
+
+def waterfill_codec(x, *, bits: int, rotation: str, seed: int, norm_correction: bool, calib: int = 256,
+                    norm_bits: int = NORM_BITS):
+    """Key bits water-filled over RoPE pairs, per layer and head, at ``bits``-bit keys'
+    bytes (:func:`waterfill_bits`): the pairs' energies from the first ``calib`` coded
+    tokens (a calibration pass), each group of equal bits coded apart (its own rotation,
+    seed ``seed + b``, and float16 norm). ``norm_bits=0`` charges the groups' norms
+    nothing (a bound: what the allocation alone could give). Returns the decoded ``x`` and
+    the mean bits per element spent (codes and norms)."""
+    x = np.asarray(x, np.float32)
+    L, d = x.shape[0], x.shape[-1]
+    energy = np.mean(np.square(x[:, :, :calib]), axis=(1, 2))  # [L, H, D]
+    pairs = energy[..., : d // 2] + energy[..., d // 2:]
+    y, spent = np.zeros_like(x), []
+    for layer in range(L):
+        for h in range(x.shape[3]):
+            b = waterfill_bits(pairs[layer, h], bits, norm_bits=norm_bits)
+            spent.append((2 * b.sum() + NORM_BITS * len(set(b[b > 0].tolist()))) / d)
+            for level in sorted(set(b[b > 0].tolist())):
+                p = np.flatnonzero(b == level)
+                idx = np.concatenate([p, p + d // 2])
+                y[layer, :, :, h][..., idx] = np.asarray(codec(jnp.asarray(x[layer, :, :, h][..., idx]), bits=int(level),
+                                                             rotation=rotation, seed=seed + int(level),
+                                                             norm_correction=norm_correction))
+    return jnp.asarray(y), float(np.mean(spent))
+
+
 def variant_kv(k, v, *, key_bits, value_bits, rotation, seed, norm_correction, sinks, window, centre_tokens, layers=None,
                seeds: str = "shared"):
     """Context K/V ``[L, B, T, H, D]`` with the coded span replaced by its decoded
@@ -136,6 +184,10 @@ def variant_kv(k, v, *, key_bits, value_bits, rotation, seed, norm_correction, s
         mu = jnp.mean(x[:, :, :centre_tokens], axis=2, keepdims=True) if centre_tokens else None
         if isinstance(bits, float):
             y = noise(x[:, :, lo:hi], eps=bits, seed=seed + 1_000_003 * side)
+        elif isinstance(bits, str):  # "wf<bits>", or "wf0n<bits>": group norms not charged
+            y, spent = waterfill_codec(x[:, :, lo:hi], bits=int(bits[-1]), rotation=rotation, seed=seed,
+                                       norm_correction=norm_correction, norm_bits=0 if "0n" in bits else NORM_BITS)
+            print(f"  water-filled keys: {spent:.3f} bits per element (codes and float16 norms)", flush=True)
         elif isinstance(bits, tuple):
             y = split_codec(x[:, :, lo:hi], m=bits[0], hi=bits[1], lo=bits[2], rotation=rotation, seed=seed,
                             norm_correction=norm_correction)
@@ -180,14 +232,18 @@ def parse_variant(name: str, centre_tokens: int = 256) -> dict:
     if m:
         eps = [None if e == "-" else float(e) for e in m.group(1, 2)]
         return dict(key_bits=eps[0], value_bits=eps[1], rotation="none", seed=42, norm_correction=False, centre_tokens=0)
-    m = re.fullmatch(r"K([1-8-]|[1-8]/\d+\+[1-8])V([1-8-]) (haar|hadamard)( nc)?( centred)?( per-layer| per-block)?",
+    m = re.fullmatch(r"K([1-8-]|[1-8]/\d+\+[1-8]|wf(?:0n)?[1-8])V([1-8-]) (haar|hadamard)( nc)?( centred)?( per-layer| per-block)?",
                      name)
     if not m:
         raise SystemExit(f"unknown variant {name!r}: one of {sorted(ALIASES)}, K<bits>V<bits> haar|hadamard[ nc][ centred]"
                          "[ per-layer| per-block] (key bits may be an outlier split <hi>/<m>+<lo>) or noise K<eps> V<eps>")
-    bits = [None if b == "-" else int(b) if b.isdigit() else _split(b) for b in m.group(1, 2)]
-    if isinstance(bits[0], tuple) and (m.group(5) or m.group(6)):
-        raise SystemExit(f"variant {name!r}: an outlier split takes neither centring nor per-layer/-block seeds")
+    bits = [None if b == "-" else int(b) if b.isdigit() else b if b.startswith("wf") else _split(b) for b in m.group(1, 2)]
+    if isinstance(bits[0], (tuple, str)) and (m.group(5) or m.group(6)):
+        raise SystemExit(f"variant {name!r}: an outlier split or water-filled keys take neither centring nor "
+                         "per-layer/-block seeds")
+    if isinstance(bits[0], str) and m.group(3) != "haar":
+        raise SystemExit(f"variant {name!r}: water-filled keys' groups have any size: use haar (Hadamard needs a "
+                         "power of two)")
     seeds = {None: "shared", " per-layer": "layer", " per-block": "block"}[m.group(6)]
     return dict(key_bits=bits[0], value_bits=bits[1], rotation=m.group(3), seed=42, norm_correction=bool(m.group(4)),
                 centre_tokens=centre_tokens if m.group(5) else 0, seeds=seeds)
@@ -211,6 +267,8 @@ def main(argv=None):
     ap.add_argument("--keys", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0, help="key draw")
     ap.add_argument("--format", default="chat")
+    ap.add_argument("--filler", default="fixed", choices=["fixed", "varied", "pool"],
+                    help="passkey.build_prompts' filler (default %(default)s: the tables below; varied: the grid's)")
     ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--centre-tokens", type=int, default=256)
@@ -227,7 +285,8 @@ def main(argv=None):
                  f"{args.window}-token window to code: use a longer context or a shorter --window.")
     params, cfg, tok = model.load_smollm2()
     keys = random_keys(np.random.default_rng(args.seed), args.keys)
-    prompts = build_prompts(tok, args.context, args.depth / 100, keys, args.format)
+    prompts = build_prompts(tok, args.context, args.depth / 100, keys, args.format, args.filler,
+                            filler_seed=(args.seed, args.context, int(args.depth)))
     runner = Runner(cfg)
     n, t = prompts.context.shape
     capacity = t + len(prompts.question) + ANSWER_TOKENS

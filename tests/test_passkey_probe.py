@@ -128,3 +128,55 @@ def test_outlier_split_codes_the_loudest_rope_pairs_at_the_high_width():
                 np.testing.assert_allclose(kk[layer, 0, :, head][:, chans], want, rtol=0, atol=1e-5)
     with pytest.raises(SystemExit, match="RoPE pairs"):
         variant_kv(jnp.asarray(x), jnp.asarray(x), **parse_variant("K8/3+2V- haar"), sinks=0, window=0)
+
+
+def test_waterfill_bits_spend_the_plain_codes_bytes_and_follow_the_energy():
+    """Reverse water-filling in whole bits: equal energies get the plain width; a pair
+    4x louder gets one bit more (Gaussian distortion falls 4x a bit); codes plus a
+    float16 norm per group never exceed the plain code's bits and one norm."""
+    from benchmarks.passkey_codec_probe import NORM_BITS, waterfill_bits
+
+    assert waterfill_bits(np.ones(32), 5).tolist() == [5] * 32
+    e = np.ones(32)
+    e[:16] = 4.0
+    b = waterfill_bits(e, 5)
+    assert set(b[:16].tolist()) == {b[0]} and set(b[16:].tolist()) == {b[0] - 1}
+    rng = np.random.default_rng(3)
+    for bits in (3, 4, 5):
+        e = np.exp(rng.standard_normal(32) * 2)
+        b = waterfill_bits(e, bits)
+        groups = len(set(b[b > 0].tolist()))
+        assert 2 * b.sum() + NORM_BITS * groups <= 2 * 32 * bits + NORM_BITS
+        loud, quiet = int(np.argmax(e)), int(np.argmin(e))
+        assert b[loud] > b[quiet]
+        free = waterfill_bits(e, bits, norm_bits=0)  # the bound: groups' norms free, all the code bits spent
+        assert 2 * free.sum() == 2 * 32 * bits
+    assert parse_variant("Kwf0n5V3 haar nc")["key_bits"] == "wf0n5"
+
+
+def test_waterfilled_keys_decode_each_group_as_its_own_blob():
+    """``Kwf<bits>``: per layer and head, the pairs of each width (from the first 256
+    coded tokens' energy) decode as a blob of just those channels at that width (seed
+    + width); values untouched with ``V-``; Hadamard is refused (groups of any size)."""
+    from benchmarks.passkey_codec_probe import waterfill_bits
+
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((2, 1, 30, H, D)).astype(np.float32)
+    x[..., : D // 4] *= 6  # the first 16 pairs loud
+    x[..., D // 2: D // 2 + D // 4] *= 6
+    spec = parse_variant("Kwf4V- haar")
+    kk, vv = variant_kv(jnp.asarray(x), jnp.asarray(x), **spec, sinks=0, window=0)
+    kk = np.asarray(kk)
+    np.testing.assert_array_equal(np.asarray(vv), x)
+    for layer in range(2):
+        for head in range(H):
+            v = x[layer, 0, :, head].astype(np.float64)
+            b = waterfill_bits((v[:, : D // 2] ** 2 + v[:, D // 2:] ** 2).mean(0), 4)
+            assert b[:16].min() > b[16:].max()  # the loud pairs get more bits
+            for level in set(b[b > 0].tolist()):
+                p = np.flatnonzero(b == level)
+                chans = np.r_[p, p + D // 2]
+                want = _wire(x[layer, 0, :, head][:, chans], level, 42 + level)
+                np.testing.assert_allclose(kk[layer, 0, :, head][:, chans], want, rtol=0, atol=1e-5)
+    with pytest.raises(SystemExit, match="haar"):
+        parse_variant("Kwf4V- hadamard")
