@@ -43,6 +43,8 @@ def test_the_coded_span_is_what_a_blob_decodes_to_and_the_rest_is_untouched(kv):
     np.testing.assert_allclose(kk[:, :, SINKS:T - WINDOW], _wire(k[:, :, SINKS:T - WINDOW], 4), rtol=0, atol=1e-5)
 
 
+# slow: a benchmark probe's variants; the quick tier keeps the coded span = a blob's decode
+@pytest.mark.slow
 def test_layers_outside_the_slice_stay_exact(kv):
     k, v = kv
     kk, vv = variant_kv(k, v, key_bits=3, value_bits=2, rotation="hadamard", seed=42, norm_correction=True,
@@ -100,6 +102,8 @@ def test_per_block_seeds_code_each_block_with_its_own_rotation(kv):
         np.testing.assert_allclose(kk[1, :, span], np.asarray(want), rtol=0, atol=1e-6)
 
 
+# slow: a benchmark probe's variants; the quick tier keeps the coded span = a blob's decode
+@pytest.mark.slow
 def test_outlier_split_codes_the_loudest_rope_pairs_at_the_high_width():
     """``K<hi>/<m>+<lo>``: per layer and head, the ``m`` channels of most energy (whole
     RoPE pairs ``(i, i + D/2)``, loudest first) decode as a ``hi``-bit blob of just those
@@ -154,6 +158,8 @@ def test_waterfill_bits_spend_the_plain_codes_bytes_and_follow_the_energy():
     assert parse_variant("Kwf0n5V3 haar nc")["key_bits"] == "wf0n5"
 
 
+# slow: a benchmark probe's variants; the quick tier keeps the coded span = a blob's decode
+@pytest.mark.slow
 def test_waterfilled_keys_decode_each_group_as_its_own_blob():
     """``Kwf<bits>``: per layer and head, the pairs of each width (from the first 256
     coded tokens' energy) decode as a blob of just those channels at that width (seed
