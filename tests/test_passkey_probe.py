@@ -32,6 +32,20 @@ def _wire(x, bits, seed=42):
     return np.asarray(tq_jax.loads(blob, dtype=jnp.float32))[0].reshape(x.shape)
 
 
+def _pair_energy(x):
+    """Mean energy of each RoPE pair ``(i, i + D/2)`` over the vectors of ``x [T, D]``."""
+    x = x.astype(np.float64)
+    return (x[:, : D // 2] ** 2 + x[:, D // 2:] ** 2).mean(0)
+
+
+def _assert_pairs_decode_as_a_blob(kk, x, layer, head, pairs, bits, seed):
+    """The channels of ``pairs`` (both halves) of ``kk[layer, 0, :, head]`` are what a
+    ``bits``-bit blob of just those channels of ``x`` decodes to."""
+    chans = np.r_[pairs, pairs + D // 2]
+    want = _wire(x[layer, 0, :, head][:, chans], bits, seed)
+    np.testing.assert_allclose(kk[layer, 0, :, head][:, chans], want, rtol=0, atol=1e-5)
+
+
 def test_the_coded_span_is_what_a_blob_decodes_to_and_the_rest_is_untouched(kv):
     k, v = kv
     kk, vv = variant_kv(k, v, key_bits=4, value_bits=None, rotation="haar", seed=42, norm_correction=False,
@@ -120,16 +134,13 @@ def test_outlier_split_codes_the_loudest_rope_pairs_at_the_high_width():
     np.testing.assert_array_equal(np.asarray(vv), x)
     for layer in range(2):
         for head in range(H):
-            v = x[layer, 0, :, head].astype(np.float64)
-            order = np.argsort(-(v[:, : D // 2] ** 2 + v[:, D // 2:] ** 2).mean(0))
+            order = np.argsort(-_pair_energy(x[layer, 0, :, head]))
             if (layer, head) == (0, 0):
                 assert order[0] == 3
             if (layer, head) == (1, 1):
                 assert list(order[:2]) == [20, 5]
             for pairs, bits, seed in ((order[:2], 8, 42), (order[2:], 2, 43)):
-                chans = np.r_[pairs, pairs + D // 2]
-                want = _wire(x[layer, 0, :, head][:, chans], bits, seed)
-                np.testing.assert_allclose(kk[layer, 0, :, head][:, chans], want, rtol=0, atol=1e-5)
+                _assert_pairs_decode_as_a_blob(kk, x, layer, head, pairs, bits, seed)
     with pytest.raises(SystemExit, match="RoPE pairs"):
         variant_kv(jnp.asarray(x), jnp.asarray(x), **parse_variant("K8/3+2V- haar"), sinks=0, window=0)
 
@@ -176,13 +187,9 @@ def test_waterfilled_keys_decode_each_group_as_its_own_blob():
     np.testing.assert_array_equal(np.asarray(vv), x)
     for layer in range(2):
         for head in range(H):
-            v = x[layer, 0, :, head].astype(np.float64)
-            b = waterfill_bits((v[:, : D // 2] ** 2 + v[:, D // 2:] ** 2).mean(0), 4)
+            b = waterfill_bits(_pair_energy(x[layer, 0, :, head]), 4)
             assert b[:16].min() > b[16:].max()  # the loud pairs get more bits
             for level in set(b[b > 0].tolist()):
-                p = np.flatnonzero(b == level)
-                chans = np.r_[p, p + D // 2]
-                want = _wire(x[layer, 0, :, head][:, chans], level, 42 + level)
-                np.testing.assert_allclose(kk[layer, 0, :, head][:, chans], want, rtol=0, atol=1e-5)
+                _assert_pairs_decode_as_a_blob(kk, x, layer, head, np.flatnonzero(b == level), level, 42 + level)
     with pytest.raises(SystemExit, match="haar"):
         parse_variant("Kwf4V- hadamard")

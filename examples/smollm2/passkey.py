@@ -111,7 +111,7 @@ def build_prompts(tok, context: int, depth: float, keys, fmt: str = "plain", fil
         question = _ids(tok, QUESTION)
     unit = _ids(tok, FILLER)
     pool = [_ids(tok, s) for s in FILLER_POOL]
-    five = [_ids(tok, s) for s in FILLER_POOL[:5]]
+    five = pool[:5]
     assert sum(five, []) == unit, "FILLER_POOL starts with FILLER's sentences"
     seed = list(np.atleast_1d(filler_seed).astype(np.int64))
     rows = []
