@@ -371,6 +371,26 @@ def test_init_rejects_unpackable_head_dim_and_bad_page_size():
     assert dataclasses.is_dataclass(kvcache.init(1, 8, 1, 64, window=0, sinks=0).config)
 
 
+def test_init_is_one_program_per_configuration_and_its_leaves_are_separate_buffers(compiles):
+    kw = dict(batch=3, max_len=40, kv_heads=2, head_dim=64, page_size=8, window=8, sinks=2, seed=1234)
+    before = compiles.count
+    cache = kvcache.init(**kw)
+    assert compiles.count == before + 1  # every leaf from one program, not one per zero array
+    again = kvcache.init(**kw)
+    assert compiles.count == before + 1
+    assert (np.asarray(cache.page_table) == -1).all() and int(cache.next_page) == 0
+    unpaged = kvcache.init(**{**kw, "page_size": None})
+    np.testing.assert_array_equal(np.asarray(unpaged.page_table), [[0], [1], [2]])
+    assert int(unpaged.next_page) == 3
+    for c in (cache, again, unpaged):
+        for name in ("k_codes", "k_norms", "v_codes", "v_norms", "lengths", "overflow", "k_window", "v_window",
+                     "k_sinks", "v_sinks", "exact_from"):
+            assert not np.asarray(getattr(c, name)).any(), name
+    # append and attend donate the leaves: no two may share a buffer, within a cache or across two
+    ptrs = [leaf.unsafe_buffer_pointer() for c in (cache, again) for leaf in jax.tree_util.tree_leaves(c)]
+    assert len(set(ptrs)) == len(ptrs)
+
+
 def test_default_bfloat16_cache_stores_what_dumps_stores_for_bfloat16_kv():
     rng = np.random.default_rng(10)
     cache = kvcache.init(2, 20, H, D, key_bits=4, value_bits=4, rotation="haar", seed=11, block_tokens=16, window=0, sinks=0)  # dtype defaults to bfloat16
