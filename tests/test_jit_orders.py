@@ -18,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 import types
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -146,6 +147,13 @@ def _tracers_reachable_from(roots, limit=200_000):
     """Tracers reachable from ``roots`` through containers, closures and lru_caches."""
     found, seen, stack = [], set(), list(roots)
     leaf_types = (str, bytes, int, float, complex, bool, type(None), np.ndarray, types.ModuleType, type)
+    with warnings.catch_warnings():  # isinstance on other libraries' deprecated objects (torch's
+        warnings.simplefilter("ignore")  # reduce_op, reached through tq_jax.bridge) warns
+        _walk(stack, seen, found, leaf_types, limit)
+    return found
+
+
+def _walk(stack, seen, found, leaf_types, limit):
     while stack and len(seen) < limit:
         obj = stack.pop()
         if id(obj) in seen or isinstance(obj, leaf_types):
@@ -159,7 +167,6 @@ def _tracers_reachable_from(roots, limit=200_000):
         if isinstance(obj, (dict, list, tuple, set, frozenset)) or callable(obj) or hasattr(obj, "__dict__"):
             # gc.get_referents sees the cache dict of a functools.lru_cache wrapper
             stack.extend(gc.get_referents(obj))
-    return found
 
 
 def _library_roots():
