@@ -149,24 +149,20 @@ def _tracers_reachable_from(roots, limit=200_000):
     leaf_types = (str, bytes, int, float, complex, bool, type(None), np.ndarray, types.ModuleType, type)
     with warnings.catch_warnings():  # isinstance on other libraries' deprecated objects (torch's
         warnings.simplefilter("ignore")  # reduce_op, reached through tq_jax.bridge) warns
-        _walk(stack, seen, found, leaf_types, limit)
+        while stack and len(seen) < limit:
+            obj = stack.pop()
+            if id(obj) in seen or isinstance(obj, leaf_types):
+                continue
+            seen.add(id(obj))
+            if isinstance(obj, jax.core.Tracer):
+                found.append(obj)
+                continue
+            if isinstance(obj, jax.Array):
+                continue
+            if isinstance(obj, (dict, list, tuple, set, frozenset)) or callable(obj) or hasattr(obj, "__dict__"):
+                # gc.get_referents sees the cache dict of a functools.lru_cache wrapper
+                stack.extend(gc.get_referents(obj))
     return found
-
-
-def _walk(stack, seen, found, leaf_types, limit):
-    while stack and len(seen) < limit:
-        obj = stack.pop()
-        if id(obj) in seen or isinstance(obj, leaf_types):
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, jax.core.Tracer):
-            found.append(obj)
-            continue
-        if isinstance(obj, jax.Array):
-            continue
-        if isinstance(obj, (dict, list, tuple, set, frozenset)) or callable(obj) or hasattr(obj, "__dict__"):
-            # gc.get_referents sees the cache dict of a functools.lru_cache wrapper
-            stack.extend(gc.get_referents(obj))
 
 
 def _library_roots():

@@ -45,6 +45,10 @@ def _reference_kv(cache, ks, vs):
     return out
 
 
+# jitted: op by op it compiled ~40 programs per shape; the outputs are the same bits
+_dpa_xla = jax.jit(functools.partial(jax.nn.dot_product_attention, implementation="xla"))
+
+
 def _dpa_bf16(q, k, v):
     """``jax.nn.dot_product_attention`` over bf16 q ``[Q, Hq, D]``, k/v ``[T, H, D]``, the
     queries at the last Q positions (causal)."""
@@ -53,10 +57,6 @@ def _dpa_bf16(q, k, v):
     bf = lambda x: jnp.asarray(x, jnp.bfloat16)[None]  # noqa: E731
     out = _dpa_xla(bf(q), bf(k), bf(v), mask=jnp.asarray(allowed)[None, None])
     return np.asarray(out[0], np.float64)
-
-
-# jitted: op by op it compiled ~40 programs per shape; the outputs are the same bits
-_dpa_xla = jax.jit(functools.partial(jax.nn.dot_product_attention, implementation="xla"))
 
 
 def _rms_err(out, ref) -> float:
