@@ -9,7 +9,10 @@ wrapping LMCache's CLI is enough::
         --l2-adapter '{"type": "fs", "base_path": "/cache",
                        "serde": {"type": "tq_jax", "bits": 4}}'
 
-Every argument is LMCache's: the launcher changes none. To run another LMCache entry
+Every argument is LMCache's. On a host without CUDA the launcher adds
+``--supported-transfer-mode auto`` when no mode is named, and warns about a K/V-aware
+serde left on ``kv_layout "auto"`` (:mod:`~tq_jax.bridge.server_args` says why); it
+changes nothing else. To run another LMCache entry
 module instead of the ``lmcache`` CLI, put ``-m MODULE`` first; the module runs as
 ``__main__`` with the remaining arguments, as ``python -m MODULE`` would::
 
@@ -26,11 +29,12 @@ for those, use the config-only loader in :mod:`tq_jax.bridge.plugin`.
 
 from __future__ import annotations
 
+import logging
 import runpy
 import sys
 from collections.abc import Sequence
 
-from tq_jax.bridge import logs
+from tq_jax.bridge import logs, server_args
 
 __all__ = ["USAGE", "main"]
 
@@ -79,7 +83,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         if wants_help:
             _run(args)
             return
-    _run(args)
+    _run(_with_server_defaults(args))
+
+
+def _with_server_defaults(args: list[str]) -> list[str]:
+    """``server`` arguments with :mod:`~tq_jax.bridge.server_args`' defaults, each one said."""
+    if args[:1] != ["server"]:
+        return args
+    import torch
+
+    args, notes = server_args.server_defaults(args, has_cuda=torch.cuda.is_available())
+    for note in notes:
+        logging.getLogger("tq_jax.bridge.launch").warning("%s", note)
+    return args
 
 
 def _run(args: list[str]) -> None:

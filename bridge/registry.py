@@ -12,7 +12,7 @@ The table is generated (:func:`option_table`): one row per :class:`tq_jax.Option
 field (help, TQ01 version and allowed values from the field's metadata), plus the
 bridge-only rows (:data:`BRIDGE_ONLY`: ``head_dim``, the ``bits`` shorthand, the
 runtime's ``max_workers`` and ``device``, the reference plugin's ``use_qjl`` and
-``qjl_sketch_size``, and ``preset``). :class:`SerdeOptions` and the keyword arguments
+``qjl_sketch_size``, the engine layout's ``kv_layout`` and ``block_size``, ``preset`` and ``encrypt``). :class:`SerdeOptions` and the keyword arguments
 of :class:`~tq_jax.bridge.serde.TQJaxSerializer` follow the table, so a new Options
 field is a serde option with no edit here.
 
@@ -109,8 +109,9 @@ def build_serde(o: SerdeOptions):
     device = resolve_device(o.device)
     sealed = o.encrypt is not None
     bind = False if sealed else None  # None: follow checksum
-    serializer = _serde.TQJaxSerializer(head_dim=o.head_dim, bits=o.bits, seed=o.seed, device=device, bind_key=bind, **o.codec_options())
-    deserializer = _serde.TQJaxDeserializer(device=device, bind_key=serializer.bind_key)
+    layout = dict(kv_layout=o.kv_layout, block_size=o.block_size)
+    serializer = _serde.TQJaxSerializer(head_dim=o.head_dim, bits=o.bits, seed=o.seed, device=device, bind_key=bind, **layout, **o.codec_options())
+    deserializer = _serde.TQJaxDeserializer(device=device, bind_key=serializer.bind_key, **layout)
     if not sealed:
         return serializer, deserializer
     keys = _seal.key_ring(o.encrypt)
@@ -133,7 +134,8 @@ def created_message(o: SerdeOptions, options: tq_jax.Options, device) -> str:
     readers = "tq_jax and the reference plugin read it" if version == 1 else "tq_jax reads it, the reference plugin cannot"
     names = registered_names()
     where = device if isinstance(device, str) else f"{device.platform}:{device.id}"
-    fields = {"head_dim": o.head_dim, **dataclasses.asdict(options), "preset": o.preset,
+    fields = {"head_dim": o.head_dim, "kv_layout": o.kv_layout, **({"block_size": o.block_size} if o.kv_layout == "vllm-cpu" else {}),
+              **dataclasses.asdict(options), "preset": o.preset,
               "max_workers": o.max_workers, "device": where}
     if o.encrypt is not None:
         e = o.encrypt

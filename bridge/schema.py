@@ -4,7 +4,7 @@
 field (help, TQ01 version and allowed values from the field's metadata), plus the
 bridge-only rows (:data:`BRIDGE_ONLY`: ``head_dim``, the ``bits`` shorthand, the
 runtime's ``max_workers`` and ``device``, the reference plugin's ``use_qjl`` and
-``qjl_sketch_size``, ``preset`` and ``encrypt``). :class:`SerdeOptions` and the keyword
+``qjl_sketch_size``, the engine layout's ``kv_layout`` and ``block_size``, ``preset`` and ``encrypt``). :class:`SerdeOptions` and the keyword
 arguments of :class:`~tq_jax.bridge.serde.TQJaxSerializer` follow the table, so a new
 Options field is a serde option with no edit here.
 
@@ -24,6 +24,7 @@ from tq_jax import codebook as _codebook
 from tq_jax import options as _options
 from tq_jax import wire as _wire
 from tq_jax.bridge.device import resolve_device
+from tq_jax.bridge.layouts import KV_LAYOUTS
 from tq_jax.options import PRESETS
 
 __all__ = [
@@ -258,6 +259,11 @@ _BRIDGE_V1 = (
     # Accepted so that configs written for the reference plugin work unchanged.
     Option("use_qjl", False, _use_qjl, "reference-plugin option; only false is supported"),
     Option("qjl_sketch_size", 64, _int_in(1, _wire.MAX_QJL_SKETCH), "reference-plugin option; ignored while use_qjl is false"),
+    # The engine's chunk layout (tq_jax's own; the reference treats every vector alike).
+    Option("kv_layout", "auto", _choice(*KV_LAYOUTS, why=" docs/bridge.md's 'Engine layouts' says which engine uses which."),
+           "how a chunk holds keys and values: auto, split ([2, L, T, H*D]), fused ([L, T, H*2*D], K then V per head: "
+           "vLLM's GPU backends), vllm-cpu ([L, T, H*2*D] as vLLM's CPU backend fills it), latent ([L, T, D], MLA)"),
+    Option("block_size", 128, _int_in(2, 1 << 16), "vLLM's --block-size, read by kv_layout vllm-cpu (vLLM's CPU default: 128)"),
 )
 _BRIDGE_LAST = (
     Option("preset", None, _preset, f"a named bundle of the v2 options: {', '.join(sorted(PRESETS))}; explicit keys override it", version=2),

@@ -73,11 +73,14 @@ import tq_jax  # noqa: E402
 from tq_jax import frames as _frames  # noqa: E402
 from tq_jax import wire as _wire  # noqa: E402
 from tq_jax.bridge import dlpack  # noqa: E402
-from tq_jax.bridge.schema import AUTO_NORMS, NORM_DTYPES, codec_options_for  # noqa: E402, F401 (re-exported)
+from tq_jax.bridge import layouts  # noqa: E402
+from tq_jax.bridge.layouts import KV_LAYOUTS  # noqa: E402, F401 (re-exported)
+from tq_jax.bridge.schema import AUTO_NORMS, NORM_DTYPES, check_values, codec_options_for  # noqa: E402, F401 (re-exported)
 
 __all__ = [
     "DEVICE_CHOICES",
     "GroupPlan",
+    "KV_LAYOUTS",
     "KEY_TRAILER_BYTES",
     "KeyMismatchError",
     "TQJaxDeserializer",
@@ -101,12 +104,7 @@ _TORCH_DTYPE_NAMES: dict[torch.dtype, str] = {
 
 # ----------------------------------------------------------------------------- messages
 
-NOT_DIVISIBLE = (
-    "KV group {group} has shape {shape}: its last axis ({hidden}) is not a multiple of "
-    "head_dim={head_dim}. The serde splits the last axis into (hidden // head_dim, "
-    "head_dim) vectors. Set the serde's head_dim to the model's head size (e.g. 128 for "
-    "Llama-3; for MLA / fused layouts [1, L, T, D] set head_dim to D, e.g. 576)."
-)
+NOT_DIVISIBLE = layouts.NOT_DIVISIBLE
 UNSUPPORTED_DTYPE = (
     "KV group {group} has dtype {dtype}, which TQ01 cannot record: it encodes "
     "bfloat16, float16 and float32 tensors. Run the model with one of those KV-cache "
@@ -137,8 +135,8 @@ SRC_NOT_UINT8 = (
 SHAPE_MISMATCH = (
     "the TQ01 blob for group {group} holds a tensor of shape {blob_shape} ({blob_dtype}, "
     "{bits} bits) but the destination has shape {dst_shape}: the L2 entry was written for "
-    "a different KV layout (model, chunk size, head count or parallelism changed?). Clear "
-    "the L2 store or give each layout its own base_path."
+    "a different KV layout (model, chunk size, head count, parallelism or the serde's "
+    "kv_layout changed?). Clear the L2 store or give each layout its own base_path."
 )
 DST_NOT_FLOAT = (
     "deserialize destination group {group} has dtype {dtype}; decoding writes floats. The "
@@ -154,10 +152,13 @@ class GroupPlan(NamedTuple):
     stored: tuple[int, ...]  # the shape recorded in the blob, e.g. (2, L, T, H, D)
     dtype: str  # "bfloat16" | "float16" | "float32"
     nbytes: int  # exact blob length
+    form: layouts.Form | None = None  # the group's kv_layout, resolved
+    kv_order: bool = False  # stored in K/V order (layouts.to_stored), not the chunk's own
 
 
 def stored_shape(shape, head_dim: int, *, group: int = 0) -> tuple[int, ...]:
-    """``[..., X]`` → ``[..., X // head_dim, head_dim]``, the per-head shape TQ01 records.
+    """``[..., X]`` → ``[..., X // head_dim, head_dim]``, the per-head shape TQ01 records
+    for the chunk's own order (version-1 blobs; :mod:`~tq_jax.bridge.layouts`).
 
     Raises:
         ValueError: ``X`` is not a multiple of ``head_dim``, or the shape is empty.
@@ -168,12 +169,7 @@ def stored_shape(shape, head_dim: int, *, group: int = 0) -> tuple[int, ...]:
         >>> stored_shape((1, 61, 256, 576), 576)
         (1, 61, 256, 1, 576)
     """
-    shape = tuple(int(s) for s in shape)
-    if not shape or shape[-1] % head_dim or shape[-1] == 0:
-        raise ValueError(
-            NOT_DIVISIBLE.format(group=group, shape=list(shape), hidden=shape[-1] if shape else None, head_dim=head_dim)
-        )
-    return shape[:-1] + (shape[-1] // head_dim, head_dim)
+    return layouts.form(shape, head_dim, group=group).engine
 
 
 def _dtype_name(dtype: torch.dtype, group: int) -> str:
@@ -183,30 +179,39 @@ def _dtype_name(dtype: torch.dtype, group: int) -> str:
     return name
 
 
-def plan_layout(layout: MemoryLayoutDesc, head_dim: int, options) -> list[GroupPlan]:
+def plan_layout(layout: MemoryLayoutDesc, head_dim: int, options, kv_layout: str = "auto", block_size: int = 128) -> list[GroupPlan]:
     """The stored shape, dtype and exact blob size of every group of ``layout``.
 
-    ``options`` is a :class:`tq_jax.Options` (or an int: v1 bits).
+    ``options`` is a :class:`tq_jax.Options` (or an int: v1 bits). A group is stored in
+    K/V order (:mod:`~tq_jax.bridge.layouts`) when its blob is TQ01 version 2 and
+    ``kv_layout`` gives it one; version-1 blobs keep the chunk's own order.
 
     Raises:
-        ValueError: a group's dtype is unsupported, its last axis is not a multiple of
-            ``head_dim``, the stored shape exceeds TQ01's limits, or the layout's shape and
-            dtype lists are empty or of different lengths.
+        ValueError: a group's dtype is unsupported, its shape does not fit ``kv_layout``
+            (or its last axis is not a multiple of ``head_dim``), the options need keys
+            and values that the layout cannot tell apart, the stored shape exceeds
+            TQ01's limits, or the layout's shape and dtype lists are empty or of
+            different lengths.
     """
     shapes, dtypes = list(layout.shapes), list(layout.dtypes)
     if not shapes or len(shapes) != len(dtypes):
         raise ValueError(BAD_LAYOUT.format(shapes=len(shapes), dtypes=len(dtypes)))
+    opts = _options_of(options)
     plans = []
     for g, (shape, dtype) in enumerate(zip(shapes, dtypes)):
         name = _dtype_name(dtype, g)
-        stored = stored_shape(shape, head_dim, group=g)
+        f = layouts.form(shape, head_dim, kv_layout, block_size, group=g)
+        if opts.kv_layout and f.kv is None:
+            raise ValueError(layouts.NO_KV_ORDER.format(group=g, shape=list(shape), layout=f.layout))
+        kv_order = not opts.v1_expressible and f.kv is not None
+        stored = f.stored(kv_order)
         if len(stored) > _wire.MAX_NDIM:
             raise ValueError(
                 f"KV group {g} has shape {list(shape)}: stored per head it has {len(stored)} "
                 f"axes, more than TQ01's MAX_NDIM={_wire.MAX_NDIM}. Flatten leading axes."
             )
-        nbytes = _options_of(options).serialized_size(stored, name)
-        plans.append(GroupPlan(tuple(int(s) for s in shape), stored, name, nbytes))
+        nbytes = opts.serialized_size(stored, name)
+        plans.append(GroupPlan(f.shape, stored, name, nbytes, f, kv_order))
     return plans
 
 
@@ -362,6 +367,11 @@ class TQJaxSerializer(Serializer):
         seed: rotation seed (int32 range); readers take it from the blob.
         device: ``"cpu"`` (default), ``"gpu"``, ``"tpu"``, ``"auto"``, optionally
             ``":index"``, or a ``jax.Device``.
+        kv_layout: how the chunk's axes hold keys and values (:data:`KV_LAYOUTS`;
+            :mod:`~tq_jax.bridge.layouts`): ``"auto"`` (default), ``"split"``,
+            ``"fused"``, ``"vllm-cpu"`` or ``"latent"``.
+        block_size: vLLM's block size, for ``kv_layout="vllm-cpu"`` (default 128,
+            vLLM's CPU default).
         bind_key: append the key trailer (:data:`KEY_TRAILER_BYTES`) after the blob(s),
             so that a reader refuses the value under any other key. Default: on when
             ``checksum`` is (a checksummed value is then bound to its key); version-1
@@ -378,8 +388,11 @@ class TQJaxSerializer(Serializer):
         TypeError: a value of the wrong type, or an unknown keyword.
     """
 
-    def __init__(self, head_dim: int = 128, bits: int = 4, seed: int = 42, device="cpu", *, bind_key: bool | None = None, **options) -> None:
+    def __init__(self, head_dim: int = 128, bits: int = 4, seed: int = 42, device="cpu", *, kv_layout: str = "auto",
+                 block_size: int = 128, bind_key: bool | None = None, **options) -> None:
         self.options = codec_options_for(head_dim=head_dim, bits=bits, seed=seed, **options)
+        check_values({"kv_layout": kv_layout, "block_size": block_size})
+        self.kv_layout, self.block_size = kv_layout, block_size
         self.head_dim = head_dim
         self.bits = bits
         self.seed = seed
@@ -392,8 +405,12 @@ class TQJaxSerializer(Serializer):
         Raises:
             ValueError: the layout cannot be stored (see :func:`plan_layout`).
         """
-        blobs = sum(p.nbytes for p in plan_layout(layout_desc, self.head_dim, self.options))
+        blobs = sum(p.nbytes for p in self.plan(layout_desc))
         return blobs + (KEY_TRAILER_BYTES if self.bind_key else 0)
+
+    def plan(self, layout_desc: MemoryLayoutDesc) -> list[GroupPlan]:
+        """:func:`plan_layout` under this serializer's options and ``kv_layout``."""
+        return plan_layout(layout_desc, self.head_dim, self.options, self.kv_layout, self.block_size)
 
     def serialize(self, src: MemoryObj, dst: MemoryObj, key: ObjectKey) -> int:
         """Writes the TQ01 blob(s) of ``src`` (and the key trailer) into ``dst.tensor``.
@@ -416,7 +433,7 @@ class TQJaxSerializer(Serializer):
 
     def encode_into(self, src: MemoryObj, out: np.ndarray, key: ObjectKey) -> int:
         """:meth:`serialize` into a host uint8 array ``out`` of at least the estimate."""
-        plans = plan_layout(_layout_of(src), self.head_dim, self.options)
+        plans = self.plan(_layout_of(src))
         off = 0
         for g, (t, p) in enumerate(zip(_group_tensors(src), plans)):
             if tuple(t.shape) != p.shape or _TORCH_DTYPE_NAMES.get(t.dtype) != p.dtype:
@@ -424,9 +441,10 @@ class TQJaxSerializer(Serializer):
                     SRC_LAYOUT_CHANGED.format(group=g, shape=list(t.shape), dtype=t.dtype, want_shape=list(p.shape), want_dtype=p.dtype)
                 )
             if t.device.type == "cpu":
-                x = dlpack.numpy_view(t.contiguous()).reshape(p.stored)  # a view of L1 memory
+                x = dlpack.numpy_view(t.contiguous())  # a view of L1 memory
             else:
-                x = dlpack.to_jax(t).reshape(p.stored)  # stays on its accelerator
+                x = dlpack.to_jax(t)  # stays on its accelerator
+            x = layouts.to_stored(x, p.form, p.kv_order)  # a view, or K/V order read once by the encoder
             n = tq_jax.dump_into(x, out[off : off + p.nbytes], self.options, device=self.device)
             if n != p.nbytes:  # the core promises serialized_size; keep LMCache's fs contract safe
                 raise RuntimeError(f"tq_jax.dump_into wrote {n} bytes for group {g}, expected {p.nbytes}")
@@ -444,14 +462,22 @@ class TQJaxDeserializer(Deserializer):
     All codec parameters come from the blob headers; only where to compute, and whether
     values must be bound to their key, is configured.
 
+    A blob in K/V order (:mod:`~tq_jax.bridge.layouts`) is put back in the chunk's own
+    order, which needs the writer's ``kv_layout`` (and ``block_size``); a blob whose shape
+    fits neither order of this reader's layout is refused as a shape mismatch.
+
     Args:
         device: as for :class:`TQJaxSerializer`.
+        kv_layout, block_size: as for :class:`TQJaxSerializer`: build it like the
+            serializer writing the store.
         bind_key: every value must carry CRC32-checked blobs and the trailer of the key
             it is read under (:class:`KeyMismatchError` otherwise); checked before
             anything is decoded. Build it like the serializer writing the store.
     """
 
-    def __init__(self, device="cpu", *, bind_key: bool = False) -> None:
+    def __init__(self, device="cpu", *, kv_layout: str = "auto", block_size: int = 128, bind_key: bool = False) -> None:
+        check_values({"kv_layout": kv_layout, "block_size": block_size})
+        self.kv_layout, self.block_size = kv_layout, block_size
         self.device = device if isinstance(device, jax.Device) else resolve_device(device)
         self.bind_key = bool(bind_key)
 
@@ -476,30 +502,38 @@ class TQJaxDeserializer(Deserializer):
             if self.bind_key and not h.checksum:
                 raise KeyMismatchError(NOT_CHECKSUMMED.format(key=describe_key(key), group=g))
             n = _blob_nbytes(h)
-            _check_shape(h, tuple(t.shape), g)
-            spans.append((off, n))
+            f, kv_order = self._form_of(h, tuple(t.shape), g)
+            spans.append((off, n, f, kv_order))
             off += n
         if self.bind_key:
             check_key_trailer(buf[off : off + KEY_TRAILER_BYTES], key)
-        for t, (off, n) in zip(tensors, spans):
+        for t, (off, n, f, kv_order) in zip(tensors, spans):
             blob = buf[off : off + n]  # the parser raises TruncatedError if buf is short
-            if t.device.type == "cpu" and t.is_contiguous():
+            on_host = t.device.type == "cpu" and t.is_contiguous()
+            if on_host and not kv_order:
                 tq_jax.load_into(blob, dlpack.numpy_view(t), device=self.device)
+                continue
+            arr = tq_jax.loads(blob, dtype=dlpack.numpy_dtype(t.dtype), device=self.device)
+            if on_host:
+                layouts.restore_into(np.asarray(arr), f, kv_order, dlpack.numpy_view(t))
             else:
-                arr = tq_jax.loads(blob, dtype=dlpack.numpy_dtype(t.dtype), device=self.device)
-                dlpack.copy_into(t, arr)
+                dlpack.copy_into(t, layouts.from_stored(arr, f, kv_order))
+
+    def _form_of(self, h: tq_jax.Header, dst_shape: tuple[int, ...], group: int):
+        """``(form, kv_order)`` of a blob read into a destination group: which of the
+        reader layout's two stored orders the blob's shape is (ValueError: neither)."""
+        try:
+            f = layouts.form(dst_shape, h.shape[-1], self.kv_layout, self.block_size, group=group)
+        except ValueError:
+            f = None  # the blob's head_dim does not fit the destination at all
+        kv_order = None if f is None else layouts.which(f, h.shape)
+        if kv_order is None:
+            raise ValueError(
+                SHAPE_MISMATCH.format(group=group, blob_shape=list(h.shape), blob_dtype=h.dtype, bits=h.bits, dst_shape=list(dst_shape))
+            )
+        return f, kv_order
 
 
 def _blob_nbytes(h: tq_jax.Header) -> int:
     """A blob's full length (trailer included), from its header alone."""
     return _wire.blob_nbytes(h)
-
-
-def _check_shape(h: tq_jax.Header, dst_shape: tuple[int, ...], group: int) -> None:
-    blob = tuple(h.shape)
-    per_head = len(blob) >= 2 and len(dst_shape) >= 1 and blob[:-2] == dst_shape[:-1] and blob[-2] * blob[-1] == dst_shape[-1]
-    if blob != dst_shape and not per_head:
-        raise ValueError(
-            SHAPE_MISMATCH.format(group=group, blob_shape=list(blob), blob_dtype=h.dtype, bits=h.bits, dst_shape=list(dst_shape))
-        )
-    assert math.prod(blob) == math.prod(dst_shape)

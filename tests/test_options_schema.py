@@ -169,7 +169,7 @@ def test_bridge_table_is_the_fields_plus_the_bridge_only_rows(registry):
     names = [o.name for o in registry.OPTIONS]
     assert set(names) == set(FIELDS) | set(registry.BRIDGE_ONLY)
     assert not set(FIELDS) & set(registry.BRIDGE_ONLY)
-    assert set(registry.BRIDGE_ONLY) == {"head_dim", "bits", "max_workers", "device", "use_qjl", "qjl_sketch_size",
+    assert set(registry.BRIDGE_ONLY) == {"head_dim", "bits", "max_workers", "device", "use_qjl", "qjl_sketch_size", "kv_layout", "block_size",
                                          "preset", "encrypt"}
     assert [f.name for f in dataclasses.fields(registry.SerdeOptions)] == names
     rows = {o.name: o for o in registry.OPTIONS}
