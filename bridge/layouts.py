@@ -18,8 +18,10 @@ the axes mean depends on the serving engine's attention backend:
                                                  ``[blocks, H, block, 2·D]`` cache, but each
                                                  (block, head) holds all of its keys and then
                                                  all of its values (``cpu_attn.py`` views it as
-                                                 ``[blocks, H, 2·block, D]`` and splits axis 2;
-                                                 the keys inside are in the kernel's own order)
+                                                 ``[blocks, H, 2·block, D]`` and splits axis 2);
+                                                 its ``vec``/``vec16`` kernels (x86 without AMX)
+                                                 keep a block's keys dimension-major,
+                                                 ``[D, block]``, and its values ``[block, D]``
 ``latent``     ``[L, T, D]``                      one MLA latent vector per token (no values)
 ``auto``       —                                  ``split`` for ``[2|1, L, T, X]``; for
                                                  ``[L, T, X]``: ``latent`` when ``X == D``, else
@@ -32,17 +34,21 @@ Two stored forms (:class:`Form`):
 * **engine order** ``[..., X // D, D]``: the chunk's own axes with the last split into
   vectors. What a version-1 blob holds, byte for byte what the reference plugin writes
   (it treats every vector alike), and what every vector-wise setting needs.
-* **K/V order** ``[2, L, ..., D]`` (``[1, L, ..., D]`` for ``latent``): keys and values
-  as TQ01 v2's KV layout addresses them, so that ``key_bits``/``value_bits``, raw edge
-  layers and per-layer norm groups apply to the right vectors. ``fused`` stores
-  ``[2, L, T, H, D]``, the very tensor a ``split`` engine stores for the same tokens;
-  ``vllm-cpu`` stores ``[2, L, T // block, H, block, D]``, keeping the backend's block
-  rows. Version-2 blobs take this form whenever the layout has one.
+* **K/V order** ``[2, L, ..., D]`` (``[1, L, ..., D]`` for ``latent``): one key or value
+  vector of one token per row, K in slot 0 and V in slot 1, as TQ01 v2's KV layout
+  addresses them, so that ``key_bits``/``value_bits``, raw edge layers and per-layer norm
+  groups apply to the right vectors. ``fused`` stores ``[2, L, T, H, D]``, the very tensor
+  a ``split`` engine stores for the same tokens; ``vllm-cpu`` stores the same vectors as
+  ``[2, L, T // block, block, H, D]`` (its rank tells the two apart). Version-2 blobs take
+  this form whenever the layout has one, and ``vllm-cpu`` blobs always do: its chunk
+  order puts one *dimension* of 64 consecutive tokens' keys in a row, and codes of such
+  rows cost SmolLM2-135M 9x the next-token KL of per-token keys at 4 bits (measured in
+  docs/vllm.md).
 
-Both are one set of vectors in two orders (a transposed copy each way); the reader
+Both are one set of values in two orders (a transposed copy each way); the reader
 restores the chunk's exact order from either. A blob's shape says which form it is, and
 a reader configured for another layout refuses it as a shape mismatch (a miss, never
-wrong KV): the ``fused`` and ``vllm-cpu`` K/V forms differ in rank.
+wrong KV).
 """
 
 from __future__ import annotations
@@ -118,7 +124,7 @@ def form(shape, head_dim: int, kv_layout: str = "auto", block_size: int = 128, *
         >>> form((30, 256, 384), 64).kv             # auto: fused
         (2, 30, 256, 3, 64)
         >>> form((30, 256, 384), 64, "vllm-cpu").kv
-        (2, 30, 2, 3, 128, 64)
+        (2, 30, 2, 128, 3, 64)
         >>> form((61, 256, 576), 576).kv            # auto: latent
         (1, 61, 256, 1, 576)
     """
@@ -154,7 +160,7 @@ def form(shape, head_dim: int, kv_layout: str = "auto", block_size: int = 128, *
     block = int(block_size)  # vllm-cpu
     if block < 2 or block % 2 or tokens % block:
         raise ValueError(NOT_BLOCKS.format(group=group, tokens=tokens, block=block))
-    return Form(layout, shape, engine, (2, layers, tokens // block, heads, block, d), block)
+    return Form(layout, shape, engine, (2, layers, tokens // block, block, heads, d), block)
 
 
 def which(f: Form, stored_shape) -> bool | None:
@@ -168,39 +174,38 @@ def which(f: Form, stored_shape) -> bool | None:
     return None
 
 
-def _axes(f: Form):
-    """``(view, perm)``: the K/V-order tensor is ``chunk.reshape(view).transpose(perm)``
-    reshaped to ``f.kv``, for the layouts where the two orders differ."""
-    layers, tokens, _ = f.shape
-    heads, d = f.kv[3], f.kv[-1]
-    if f.layout == "fused":  # (l, t, h, g, d) -> (g, l, t, h, d)
-        return (layers, tokens, heads, 2, d), (3, 0, 1, 2, 4)
-    # vllm-cpu: row r of block b, head h holds values [r*2D, (r+1)*2D) of the (b, h)
-    # region, whose first half is keys and second half values. Region position
-    # g*block*D + r'*D + d with r' = 2a + s sits in row g*block/2 + a, column s*D + d.
-    return (layers, tokens // f.block, 2, f.block // 2, heads, 2, d), (2, 0, 1, 4, 3, 5, 6)
-
-
 def _reorders(f: Form, kv_order: bool) -> bool:
     return kv_order and f.kv is not None and f.layout in ("fused", "vllm-cpu")
 
 
+def _xp(a):
+    """numpy for numpy arrays, jax.numpy otherwise (accelerator chunks arrive as jax arrays)."""
+    import numpy as np
+
+    if isinstance(a, np.ndarray):
+        return np
+    import jax.numpy as jnp
+
+    return jnp
+
+
 def to_stored(x, f: Form, kv_order: bool):
     """The chunk ``x`` (numpy or jax array of ``f.shape``) as the stored tensor: a view
-    (engine order, ``split``, ``latent``), or for ``fused`` and ``vllm-cpu`` in K/V order
-    a transposed array that the encoder reads once."""
+    (engine order, ``split``, ``latent``), a transposed view (``fused``), or a gathered
+    copy (``vllm-cpu``) that the encoder reads once more."""
     if not _reorders(f, kv_order):
         return x.reshape(f.stored(kv_order))
-    view, perm = _axes(f)
-    y = x.reshape(view).transpose(perm)
-    return y if len(view) == len(f.kv) else y.reshape(f.kv)
-
-
-def _inverse(perm) -> tuple:
-    inv = [0] * len(perm)
-    for i, p in enumerate(perm):
-        inv[p] = i
-    return tuple(inv)
+    layers, tokens, _ = f.shape
+    if f.layout == "fused":  # (l, t, h, g, d) -> (g, l, t, h, d)
+        heads, d = f.kv[3], f.kv[4]
+        return x.reshape(layers, tokens, heads, 2, d).transpose(3, 0, 1, 2, 4)
+    _, _, blocks, block, heads, d = f.kv
+    # Row r of block b, head h holds values [r*2D, (r+1)*2D) of the (b, h) region: first
+    # block*D keys, dimension-major [D, block], then block*D values, [block, D].
+    region = x.reshape(layers, blocks, block, heads, 2 * d).transpose(0, 1, 3, 2, 4).reshape(layers, blocks, heads, 2, block * d)
+    k = region[:, :, :, 0].reshape(layers, blocks, heads, d, block).transpose(0, 1, 4, 2, 3)
+    v = region[:, :, :, 1].reshape(layers, blocks, heads, block, d).transpose(0, 1, 3, 2, 4)
+    return _xp(x).stack([k, v])
 
 
 def from_stored(y, f: Form, kv_order: bool):
@@ -208,18 +213,25 @@ def from_stored(y, f: Form, kv_order: bool):
     as an array of ``f.shape`` (numpy or jax, as ``y``)."""
     if not _reorders(f, kv_order):
         return y.reshape(f.shape)
-    view, perm = _axes(f)
-    return y.reshape(tuple(view[p] for p in perm)).transpose(_inverse(perm)).reshape(f.shape)
+    layers, tokens, _ = f.shape
+    if f.layout == "fused":
+        return y.transpose(1, 2, 3, 0, 4).reshape(f.shape)
+    _, _, blocks, block, heads, d = f.kv
+    k = y[0].transpose(0, 1, 3, 4, 2).reshape(layers, blocks, heads, block * d)
+    v = y[1].transpose(0, 1, 3, 2, 4).reshape(layers, blocks, heads, block * d)
+    region = _xp(y).stack([k, v], axis=3).reshape(layers, blocks, heads, block, 2 * d)
+    return region.transpose(0, 1, 3, 2, 4).reshape(f.shape)
 
 
 def restore_into(y, f: Form, kv_order: bool, out) -> None:
-    """:func:`from_stored` written into the numpy array ``out`` (the chunk, ``f.shape``)
-    in one pass: no intermediate copy of the chunk."""
+    """:func:`from_stored` written into the numpy array ``out`` (the chunk, ``f.shape``)."""
     import numpy as np
 
+    y = np.asarray(y)
     if not _reorders(f, kv_order):
         np.copyto(out.reshape(f.stored(kv_order)), y.reshape(f.stored(kv_order)), casting="unsafe")
-        return
-    view, perm = _axes(f)
-    src = np.asarray(y).reshape(tuple(view[p] for p in perm)).transpose(_inverse(perm))
-    np.copyto(out.reshape(view), src, casting="unsafe")
+    elif f.layout == "fused":  # one transposed copy straight into the chunk
+        layers, tokens, _ = f.shape
+        np.copyto(out.reshape(layers, tokens, f.kv[3], 2, f.kv[4]), y.transpose(1, 2, 3, 0, 4), casting="unsafe")
+    else:
+        np.copyto(out, from_stored(y, f, kv_order), casting="unsafe")

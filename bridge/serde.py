@@ -184,7 +184,8 @@ def plan_layout(layout: MemoryLayoutDesc, head_dim: int, options, kv_layout: str
 
     ``options`` is a :class:`tq_jax.Options` (or an int: v1 bits). A group is stored in
     K/V order (:mod:`~tq_jax.bridge.layouts`) when its blob is TQ01 version 2 and
-    ``kv_layout`` gives it one; version-1 blobs keep the chunk's own order.
+    ``kv_layout`` gives it one, and always under ``vllm-cpu``; other version-1 blobs keep
+    the chunk's own order (the reference plugin's bytes).
 
     Raises:
         ValueError: a group's dtype is unsupported, its shape does not fit ``kv_layout``
@@ -203,7 +204,8 @@ def plan_layout(layout: MemoryLayoutDesc, head_dim: int, options, kv_layout: str
         f = layouts.form(shape, head_dim, kv_layout, block_size, group=g)
         if opts.kv_layout and f.kv is None:
             raise ValueError(layouts.NO_KV_ORDER.format(group=g, shape=list(shape), layout=f.layout))
-        kv_order = not opts.v1_expressible and f.kv is not None
+        # K/V order for version 2, and always for vllm-cpu (its chunk rows are not per-token vectors)
+        kv_order = f.kv is not None and (not opts.v1_expressible or f.layout == "vllm-cpu")
         stored = f.stored(kv_order)
         if len(stored) > _wire.MAX_NDIM:
             raise ValueError(

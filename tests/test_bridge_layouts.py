@@ -61,15 +61,20 @@ def fused_gpu():
 
 
 def vllm_cpu():
-    """vLLM's CPU attention cache: the same ``[NB, NH, BS, 2*HS]`` tensor that
-    ``cpu_attn.py`` views as ``[NB, NH, 2*BS, HS]`` and splits on axis 2 (keys, values);
-    K and V here are the rows of those two halves (the kernel's key order inside a block
-    is its own; the serde only needs to know which half is which)."""
-    caches = _caches((NB, NH, BS, 2 * HS), seed=1)
-    halves = [c.view(NB, NH, 2 * BS, HS).chunk(2, dim=2) for c in caches.values()]
-    k = np.stack([_tokens(kh) for kh, _ in halves])
-    v = np.stack([_tokens(vh) for _, vh in halves])
-    return _gather(caches), k, v
+    """vLLM's CPU attention cache: the same ``[NB, NH, BS, 2*HS]`` tensor, which
+    ``cpu_attn.py`` views as ``[NB, NH, 2*BS, HS]`` and splits on axis 2: each (block,
+    head) region holds its keys, then its values. Its vec/vec16 kernels write a block's
+    keys dimension-major (``[HS, BS]``) and its values token-major (``[BS, HS]``);
+    tests/test_vllm_lmcache.py checks that against vLLM's own ``reshape_and_cache``."""
+    g = torch.Generator().manual_seed(1)
+    caches, ks, vs = {}, [], []
+    for i in range(NL):
+        k, v = torch.randn(2, NB, NH, BS, HS, generator=g).to(BF16)
+        region = torch.cat([k.transpose(-1, -2).reshape(NB, NH, HS * BS), v.reshape(NB, NH, BS * HS)], dim=-1)
+        caches[f"model.layers.{i}.self_attn.attn"] = region.view(NB, NH, BS, 2 * HS)
+        ks.append(_tokens(k))
+        vs.append(_tokens(v))
+    return _gather(caches), np.stack(ks), np.stack(vs)
 
 
 def split():
@@ -115,10 +120,13 @@ def _parts(chunk: torch.Tensor, engine: str):
     if engine == "fused":
         x = x.reshape(NL, CHUNK_T, NH, 2, HS)
         return x[..., 0, :], x[..., 1, :]
-    # vllm-cpu: chunk row t of head h is row t % BS of its block's [BS, 2*HS] view
-    x = x.reshape(NL, len(BLOCKS), BS, NH, 2, HS).transpose(0, 1, 3, 2, 4, 5).reshape(NL, len(BLOCKS), NH, 2 * BS, HS)
-    k, v = x[:, :, :, :BS], x[:, :, :, BS:]
-    return (a.transpose(0, 1, 3, 2, 4).reshape(NL, CHUNK_T, NH, HS) for a in (k, v))
+    # vllm-cpu: chunk row t of head h is row t % BS of its (block, head) region's [BS, 2*HS]
+    # view; the region is the block's keys [HS, BS], then its values [BS, HS]
+    nb = len(BLOCKS)
+    region = x.reshape(NL, nb, BS, NH, 2 * HS).transpose(0, 1, 3, 2, 4).reshape(NL, nb, NH, 2 * BS * HS)
+    k = region[..., : BS * HS].reshape(NL, nb, NH, HS, BS).transpose(0, 1, 4, 2, 3)
+    v = region[..., BS * HS :].reshape(NL, nb, NH, BS, HS).transpose(0, 1, 3, 2, 4)
+    return k.reshape(NL, CHUNK_T, NH, HS), v.reshape(NL, CHUNK_T, NH, HS)
 
 
 def _rel(a, b) -> float:
@@ -153,9 +161,11 @@ def test_keys_and_values_get_their_own_bits(engine):
     h = tq_jax.peek_header(np.frombuffer(blob, np.uint8))
     assert h.kv_layout and (h.bits, h.value_bits) == (8, 2) and h.shape[0] == 2
     stored = np.asarray(tq_jax.loads(blob), np.float32)
-    if engine != "vllm-cpu":
-        assert stored.shape == (2, NL, CHUNK_T, NH, HS)
-        assert _rel(stored[0], k) < 0.02 and _rel(stored[1], v) > 0.2
+    if engine == "vllm-cpu":  # the same per-token vectors, tokens as (blocks, block)
+        assert stored.shape == (2, NL, len(BLOCKS), BS, NH, HS)
+        stored = stored.reshape(2, NL, CHUNK_T, NH, HS)
+    assert stored.shape == (2, NL, CHUNK_T, NH, HS)
+    assert _rel(stored[0], k) < 0.02 and _rel(stored[1], v) > 0.2
 
 
 @pytest.mark.parametrize("engine", sorted(ENGINES))
@@ -189,15 +199,21 @@ def test_latent_chunk_takes_key_bits_and_raw_layers():
     assert _rel(out.float().numpy()[1:], chunk.float().numpy()[1:]) < 0.02
 
 
-@pytest.mark.parametrize("engine", ["fused", "vllm-cpu"])
-def test_v1_settings_keep_the_chunks_own_order(engine):
-    """With the reference's settings the blob is version 1 in the chunk's own order,
-    byte for byte ``dumps`` of the chunk split into heads (what the reference writes)."""
-    chunk, _, _ = ENGINES[engine]()
-    blob, _ = _round_trip(chunk, HS, bits=4, kv_layout=engine)
+def test_v1_settings_keep_the_chunks_own_order_when_its_rows_are_tokens():
+    """With the reference's settings a ``fused`` chunk's blob is version 1 in the chunk's
+    own order, byte for byte ``dumps`` of the chunk split into heads (what the reference
+    writes); a ``vllm-cpu`` chunk's rows are not tokens' vectors, so it is stored in K/V
+    order even then, still version 1."""
+    chunk, k, v = fused_gpu()
+    blob, _ = _round_trip(chunk, HS, bits=4, kv_layout="fused")
     heads = chunk.float().numpy().astype(jnp.bfloat16).reshape(NL, CHUNK_T, 2 * NH, HS)
     assert blob == tq_jax.dumps(heads, bits=4)
-    assert tq_jax.peek_header(np.frombuffer(blob, np.uint8)).version == 1
+    chunk, k, v = vllm_cpu()
+    blob, out = _round_trip(chunk, HS, bits=4, kv_layout="vllm-cpu")
+    h = tq_jax.peek_header(np.frombuffer(blob, np.uint8))
+    assert h.version == 1 and h.shape == (2, NL, len(BLOCKS), BS, NH, HS)
+    kv = np.stack([k, v]).astype(jnp.bfloat16).reshape(h.shape)
+    assert blob == tq_jax.dumps(kv, bits=4)
 
 
 @pytest.mark.parametrize("preset", ["turbo-4", "turbo-3.5", "turbo-2.5"])
@@ -240,6 +256,7 @@ def test_layout_errors_name_the_option_to_change():
 def test_to_stored_and_back_are_inverse_permutations():
     rng = np.random.default_rng(0)
     for shape, name, block in [((3, 64, 256), "fused", 0), ((3, 64, 256), "vllm-cpu", 16), ((3, 64, 256), "vllm-cpu", 64),
+                               ((3, 64, 512), "vllm-cpu", 4), ((3, 64, 128), "vllm-cpu", 32),
                                ((2, 3, 64, 128), "split", 0), ((3, 64, 32), "latent", 0)]:
         f = layouts.form(shape, 32, name, block or 128)
         x = rng.standard_normal(shape)
