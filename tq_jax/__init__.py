@@ -44,8 +44,8 @@ _EXPORTS = {
 __all__ = tuple(sorted(_EXPORTS))
 
 # Submodules reachable as attributes (``tq_jax.kvcache.init``), imported on first use.
-# ``bridge`` needs the ``lmcache`` extra (torch): where it is not installed, reading it
-# raises the ImportError that says so.
+# ``bridge`` needs the ``lmcache`` extra (torch): where it is not installed, reading
+# ``tq_jax.bridge.register`` raises an ImportError that names the extra's install command.
 _SUBMODULES = (
     "batch", "bench", "blob", "blocks", "bridge", "cli", "codebook", "codec", "distributed", "kvcache",
     "norms", "options", "packing", "plan", "program", "resident", "rotation", "safetensors_io", "wire",
