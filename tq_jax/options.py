@@ -325,9 +325,9 @@ PRESETS = {
     # 4/4's bytes with a value bit moved to the keys. Chosen on SmolLM2-135M in the
     # generation loop (docs/serving-smollm2.md): +0.33 % perplexity / KL 0.0022 against
     # 4/4's +0.96 % / 0.0050 (K6V2: +1.20 % / 0.0073); its passkey means over rotation
-    # seeds stay within 5 points of bf16 up to 1024 tokens, not at 2048. All-in <= 4.14
-    # bits per element at head_dim 64 (<= 4.25); in the cache (window 128, 4 sinks)
-    # 0.274x bf16 at 8k, head_dim 128.
+    # seeds stay within 5 points of bf16 up to 1024 tokens, not at 2048. All-in 4.095
+    # bits per element at head_dim 64 and 4.047 at 128 for 256-token chunks (README's
+    # table); in the cache (window 128, 4 sinks) 0.274x bf16 at 8k, head_dim 128.
     "turbo-4": dict(key_bits=5, value_bits=3, rotation="hadamard", norm_correction=True,
                     norm_bits=6, checksum=True),
 }
