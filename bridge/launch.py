@@ -29,12 +29,14 @@ for those, use the config-only loader in :mod:`tq_jax.bridge.plugin`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import re
 import runpy
 import sys
 from collections.abc import Sequence
 
-from tq_jax.bridge import logs, server_args
+from tq_jax.bridge import logs, missing_extra, server_args
 
 __all__ = ["USAGE", "main"]
 
@@ -62,7 +64,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         argv: the arguments after the program name (default: ``sys.argv[1:]``).
 
     Raises:
-        SystemExit: no arguments, or ``-m`` without a module (status 2, with the usage).
+        SystemExit: no arguments, or ``-m`` without a module (status 2, with the usage);
+            the ``lmcache`` extra is not installed, or the server's port is taken (status 1,
+            one line naming the install command or the flag to change).
     """
     args = list(sys.argv[1:] if argv is None else argv)
     verbose = False
@@ -77,13 +81,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     logs.show_bridge_logs()
     wants_help = any(a in _HELP for a in args)  # LMCache's own --help: keep it quiet throughout
     with logs.quiet_lmcache(verbose, restore=not wants_help):
-        from tq_jax.bridge.registry import register
-
+        try:
+            from tq_jax.bridge.registry import register
+        except ImportError as e:  # a clone installed without the extra: one line, no traceback
+            if (line := missing_extra(e)) is None:
+                raise
+            print(f"error: {line}", file=sys.stderr)
+            raise SystemExit(1) from None
         register()
         if wants_help:
             _run(args)
             return
-    _run(_with_server_defaults(args))
+    with _ports_in_use() as seen:
+        try:
+            _run(_with_server_defaults(args))
+        except SystemExit:
+            if seen:
+                print(f"error: {seen[0]}", file=sys.stderr)
+                raise SystemExit(1) from None
+            raise
 
 
 def _with_server_defaults(args: list[str]) -> list[str]:
@@ -96,6 +112,38 @@ def _with_server_defaults(args: list[str]) -> list[str]:
     for note in notes:
         logging.getLogger("tq_jax.bridge.launch").warning("%s", note)
     return args
+
+
+# The address-in-use failures of `lmcache server`, as uvicorn logs them before it exits:
+# the traceback of the request server's ZMQ bind, and its own HTTP bind error.
+_ZMQ_IN_USE = re.compile(r"Address already in use \(addr='tcp://([^']+)'\)")
+_HTTP_IN_USE = re.compile(r"bind on address \('([^']*)', (\d+)\): address already in use")
+
+
+@contextlib.contextmanager
+def _ports_in_use():
+    """Collects, as one line each, the ports LMCache's server could not bind, and keeps
+    uvicorn's traceback of it off the terminal; the line names the flag to change."""
+    seen: list[str] = []
+
+    def _filter(record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if m := _ZMQ_IN_USE.search(text):
+            what, addr, flag = "request server", m.group(1), "--port"
+        elif m := _HTTP_IN_USE.search(text):
+            what, addr, flag = "HTTP API", f"{m.group(1)}:{m.group(2)}", "--http-port"
+        else:
+            return not (seen and text.startswith("Application startup failed"))
+        seen.append(f"the {what} cannot listen on {addr}: the address is already in use (another LMCache server "
+                    f"running?). Stop that process, or pass a free port with {flag} N.")
+        return False
+
+    lg = logging.getLogger("uvicorn.error")
+    lg.addFilter(_filter)
+    try:
+        yield seen
+    finally:
+        lg.removeFilter(_filter)
 
 
 def _run(args: list[str]) -> None:

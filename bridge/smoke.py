@@ -19,7 +19,7 @@ logs them and reports a failed task. So every step is checked explicitly: the st
 event's failed count, the prefetch hit count, the tensor's shape and dtype, and the
 cosine against a floor for the configured bit width. Exit status: 0 all checks
 passed, 1 a check failed (the reason is printed; LMCache's log above it has details),
-2 the command line or the JSON is wrong.
+2 the command line or the JSON is wrong, or the ``lmcache`` extra is not installed.
 
 The stored size is what the adapter reports for the smoke key's cache salt (``fs``,
 ``mock`` and most adapters track it); an adapter that does not is reported with the
@@ -38,7 +38,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from tq_jax.bridge import logs
+from tq_jax.bridge import logs, missing_extra
 
 __all__ = [
     "COSINE_FLOOR",
@@ -292,6 +292,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     logs.show_bridge_logs()
     with logs.quiet_lmcache(args.verbose, restore=False):  # a report, not a server log
+        try:
+            import torch  # noqa: F401  (the lmcache extra, checked before anything runs)
+
+            from tq_jax.bridge import registry  # noqa: F401
+        except ImportError as e:
+            if (line := missing_extra(e)) is None:
+                raise
+            print(f"error: {line}", file=sys.stderr)
+            return 2
         return _run(args, spec, serde_type, serde_kwargs)
 
 

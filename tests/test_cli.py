@@ -310,6 +310,14 @@ def _fails(capsys, *argv, match):
     assert match in err[-1], err[-1]
 
 
+@pytest.mark.parametrize("content", [b"hello notes\nmore lines\n", b"abc", b""])
+def test_a_file_of_neither_kind_is_named_as_such(tmp_path, capsys, content):
+    (tmp_path / "notes.txt").write_bytes(content)
+    for cmd in ("inspect", "compress"):
+        _fails(capsys, cmd, tmp_path / "notes.txt", *(["o.safetensors"] if cmd == "compress" else []),
+               match=f"notes.txt: not a safetensors file or TQ01 blob: it starts with {content[:8]!r}")
+
+
 def test_error_exits(tmp_path, infile, capsys):
     out = tmp_path / "o.safetensors"
     _fails(capsys, "compress", tmp_path / "missing.safetensors", out, match="no such file")

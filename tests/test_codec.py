@@ -336,6 +336,8 @@ def test_bad_inputs_say_how_to_fix():
         tq_jax.dumps(np.zeros((2, 64), np.float32), key_bits=9, value_bits=4)
     with pytest.raises(ValueError, match="give `bits`"):
         tq_jax.dumps(np.zeros((2, 64), np.float32))
+    with pytest.raises(ValueError, match=r"head_dim >= 2, got shape \(\)"):  # a 0-d input, as given
+        tq_jax.dumps(np.float32(1.0), bits=4)
     with pytest.raises(ValueError, match="bfloat16, float16 or float32"):
         tq_jax.dumps(np.zeros((2, 64), np.float64), bits=4)
     with pytest.raises(ValueError, match="head_dim >= 2"):

@@ -201,11 +201,12 @@ def test_options_argument():
     assert tq_jax.serialized_size(x.shape, "float32", options=opts) == len(want)
     buf = bytearray(len(want))
     assert tq_jax.dump_into(x, buf, options=opts) == len(want) and bytes(buf) == want
-    with pytest.raises(ValueError, match="not both"):
-        tq_jax.dumps(x, 3, options=opts)
-    with pytest.raises(ValueError, match="not both"):
-        tq_jax.dumps(x, options=opts, seed=1)
-    with pytest.raises(TypeError, match="tq_jax.Options"):
+    # bits and keyword fields override the Options, as they override a preset (tq_jax.encode_options)
+    assert tq_jax.dumps(x, 4, options=opts) == tq_jax.dumps(x, bits=4, rotation="hadamard")
+    assert tq_jax.dumps(x, options=opts, seed=1) == tq_jax.dumps(x, bits=3, rotation="hadamard", seed=1)
+    with pytest.raises(ValueError, match="pass the settings once"):
+        tq_jax.dumps(x, opts, options=opts)
+    with pytest.raises(ValueError, match="tq_jax.Options"):
         tq_jax.dumps(x, options={"bits": 3})
 
 

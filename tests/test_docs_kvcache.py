@@ -53,3 +53,14 @@ def test_page_no_longer_says_what_the_code_stopped_doing(page):
     assert "`append` does not apply it" not in page  # append stores |x| / |c| with norm correction
     assert "sinks= (default 0)" not in page
     assert 'default "xla"' not in page and "stays the default everywhere" not in page
+
+
+@pytest.mark.slow
+def test_api_block_runs_as_written(page):
+    import numpy as np
+
+    (block,) = re.findall(r"```python\n(.*?)```", page, re.S)
+    ns: dict = {}
+    exec(compile(block, "docs/kvcache.md", "exec"), ns)  # noqa: S102 - the page's own code
+    assert ns["out"].shape == ns["q"].shape and np.isfinite(np.asarray(ns["out"])).all()
+    assert np.asarray(ns["paged"].lengths).tolist() == [16, 16]

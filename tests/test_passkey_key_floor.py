@@ -1,9 +1,9 @@
-"""benchmarks/passkey_key_floor.py: the bound's arithmetic against closed forms."""
+"""benchmarks/studies/passkey_key_floor.py: the bound's arithmetic against closed forms."""
 
 import numpy as np
 import pytest
 
-from benchmarks.passkey_key_floor import allocation_gain, logit_error, waterfill
+from benchmarks.studies.passkey_key_floor import allocation_gain, logit_error, waterfill
 
 
 @pytest.mark.parametrize(

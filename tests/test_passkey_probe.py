@@ -1,4 +1,4 @@
-"""benchmarks/passkey_codec_probe.py: the K/V it feeds the model are the cache's codes, decoded.
+"""benchmarks/studies/passkey_codec_probe.py: the K/V it feeds the model are the cache's codes, decoded.
 
 The probe replaces the coded span of a context's K/V with ``decode(encode(x))`` outside
 the cache; its table is only worth reading if that is what a TQ01 blob of those vectors
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import tq_jax
-from benchmarks.passkey_codec_probe import parse_variant, variant_kv
+from benchmarks.studies.passkey_codec_probe import parse_variant, variant_kv
 
 L, B, T, H, D = 3, 2, 40, 2, 64
 SINKS, WINDOW = 4, 8
@@ -149,7 +149,7 @@ def test_waterfill_bits_spend_the_plain_codes_bytes_and_follow_the_energy():
     """Reverse water-filling in whole bits: equal energies get the plain width; a pair
     4x louder gets one bit more (Gaussian distortion falls 4x a bit); codes plus a
     float16 norm per group never exceed the plain code's bits and one norm."""
-    from benchmarks.passkey_codec_probe import NORM_BITS, waterfill_bits
+    from benchmarks.studies.passkey_codec_probe import NORM_BITS, waterfill_bits
 
     assert waterfill_bits(np.ones(32), 5).tolist() == [5] * 32
     e = np.ones(32)
@@ -175,7 +175,7 @@ def test_waterfilled_keys_decode_each_group_as_its_own_blob():
     """``Kwf<bits>``: per layer and head, the pairs of each width (from the first 256
     coded tokens' energy) decode as a blob of just those channels at that width (seed
     + width); values untouched with ``V-``; Hadamard is refused (groups of any size)."""
-    from benchmarks.passkey_codec_probe import waterfill_bits
+    from benchmarks.studies.passkey_codec_probe import waterfill_bits
 
     rng = np.random.default_rng(9)
     x = rng.standard_normal((2, 1, 30, H, D)).astype(np.float32)

@@ -114,3 +114,54 @@ def test_v2_example_states_its_true_sizes():
     assert calls["blob2"] < calls["blob"] < calls["blob2e"]
     for name in ("blob", "blob2", "blob2e"):
         assert f"{calls[name]:,}" in block, (name, calls[name])
+
+
+def test_bits_per_element_table_is_what_serialized_size_gives():
+    """README's bits-per-element table: each cell is ``serialized_size`` × 8 / elements
+    for the shape in its column's header and the settings of its row."""
+    import math
+
+    import tq_jax
+
+    text = _read("README.md")
+    head = next(ln for ln in text.splitlines() if ln.startswith("| settings | head_dim 128"))
+    shapes = [tuple(map(int, s.split(", "))) for s in re.findall(r"`\[([\d, ]+)\]`", head)]
+    assert [s[-1] for s in shapes] == [128, 64]
+    rows = text[text.index(head):].split("\n\n", 1)[0].splitlines()[2:]
+    settings = {"`bits=4` (4/4, v1)": dict(bits=4)}
+    seen = {}
+    for row in rows:
+        name, *cells = [c.strip() for c in row.strip("|").split("|")]
+        kwargs = settings.get(name) or dict(options=name.strip("`"))
+        for shape, cell in zip(shapes, cells, strict=True):
+            size = tq_jax.serialized_size(shape, "bfloat16", **kwargs)
+            assert cell == f"{size * 8 / math.prod(shape):.3f}", (name, shape, cell)
+        seen[name] = cells
+    assert set(seen) == {"`bits=4` (4/4, v1)", "`turbo-4`", "`turbo-3.5`", "`turbo-2.5`"}
+    # docs/bridge.md's production paragraph quotes the presets' numbers
+    bridge = " ".join(_read("docs", "bridge.md").split())
+    assert (f"`turbo-4`: {seen['`turbo-4`'][0]} bits per element at head_dim 128, {seen['`turbo-4`'][1]} at 64"
+            in bridge)
+    for name in ("turbo-3.5", "turbo-2.5"):
+        assert f"`{name}`: {' / '.join(seen[f'`{name}`'])}" in bridge, name
+
+
+def python_blocks(text: str) -> list[str]:
+    """The ```python blocks of a page, in order."""
+    return re.findall(r"```python\n(.*?)```", text, re.S)
+
+
+@pytest.mark.slow
+def test_readme_python_blocks_run_as_written():
+    """Run in order in one namespace, as a reader follows the page: every name a block
+    uses is defined by it or by a block above it."""
+    import numpy as np
+
+    blocks = python_blocks(_read("README.md"))
+    assert len(blocks) >= 5
+    ns: dict = {}
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), ns)  # noqa: S102 - the page's own code
+    assert ns["x"].shape == ns["kv"].shape == (2, 32, 256, 8, 128)  # "Use it" redefines the top block's kv
+    assert ns["out"].shape == ns["q"].shape and np.isfinite(np.asarray(ns["out"], np.float32)).all()
+    assert ns["y"].shape == ns["x"].shape

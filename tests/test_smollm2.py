@@ -161,7 +161,7 @@ def test_passkey_drawn_filler_is_a_draw_per_prompt_at_the_depth(filler, depth):
 
 
 def test_passkey_fixed_filler_is_one_repeated_filler():
-    """``filler="fixed"`` (the tables before issue 31): every prompt the same repeated
+    """``filler="fixed"`` (the earlier passkey tables' filler): every prompt the same repeated
     :data:`FILLER`, so rows differ only in the key's digits."""
     tok = _WordTokenizer()
     keys = ["11111", "22222"]

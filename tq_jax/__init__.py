@@ -33,6 +33,7 @@ _EXPORTS = {
     "dump_into": "tq_jax.blob",
     "dumps": "tq_jax.blob",
     "encode": "tq_jax.codec",
+    "encode_options": "tq_jax.options",
     "load_into": "tq_jax.blob",
     "loads": "tq_jax.blob",
     "parse": "tq_jax.wire",
@@ -43,8 +44,8 @@ _EXPORTS = {
 __all__ = tuple(sorted(_EXPORTS))
 
 # Submodules reachable as attributes (``tq_jax.kvcache.init``), imported on first use.
-# ``bridge`` needs the ``lmcache`` extra (torch): where it is not installed, reading it
-# raises the ImportError that says so.
+# ``bridge`` needs the ``lmcache`` extra (torch): where it is not installed, reading
+# ``tq_jax.bridge.register`` raises an ImportError that names the extra's install command.
 _SUBMODULES = (
     "batch", "bench", "blob", "blocks", "bridge", "cli", "codebook", "codec", "distributed", "kvcache",
     "norms", "options", "packing", "plan", "program", "resident", "rotation", "safetensors_io", "wire",
@@ -79,6 +80,7 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
     from tq_jax.codec import decode as decode
     from tq_jax.codec import encode as encode
     from tq_jax.options import PRESETS as PRESETS
+    from tq_jax.options import encode_options as encode_options
     from tq_jax.options import Options as Options
     from tq_jax.wire import Header as Header
     from tq_jax.wire import WireError as WireError

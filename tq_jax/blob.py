@@ -144,7 +144,7 @@ def _encode(x, options: _options.Options, block_vectors, device):
     if not isinstance(x, (np.ndarray, jax.Array)):
         x = _host_view(x)
     dev = _program_device(x, device)
-    arr = x if dev is not None and isinstance(x, jax.Array) else np.ascontiguousarray(_host_view(x))
+    arr = x if dev is not None and isinstance(x, jax.Array) else np.asarray(_host_view(x), order="C")  # 0-d stays 0-d
     plan = _plan.for_tensor(tuple(arr.shape), _check_tensor(arr), options)  # the one read of the options
     if dev is not None and _resident.EXECUTOR == "program" and _program.fits(plan):
         return _program.encode(plan, arr, block_vectors, dev)
@@ -170,26 +170,14 @@ def _encode(x, options: _options.Options, block_vectors, device):
 
 
 def _resolve(bits, options, kwargs: dict) -> _options.Options:
-    """The one :class:`~tq_jax.Options` of a call: ``options=``, an Options passed as
-    ``bits``, or ``bits`` plus keyword fields."""
-    if isinstance(bits, _options.Options):
+    """The one :class:`~tq_jax.Options` of a call (:func:`tq_jax.options.encode_options`): ``options=``
+    (a preset name or an Options), an Options or a preset name passed as ``bits``, ``bits``, and keyword
+    fields overriding them."""
+    if isinstance(bits, (_options.Options, str)):
         if options is not None:
-            raise ValueError("pass the Options once: as `options=`, not also as `bits`")
+            raise ValueError(f"pass the settings once: as `options=`, not also as `bits` (got {bits!r} and {options!r})")
         bits, options = None, bits
-    if options is not None:
-        if not isinstance(options, _options.Options):
-            raise TypeError(
-                f"`options` must be a tq_jax.Options, got {type(options).__name__}: build one with "
-                f"tq_jax.Options.make(bits, ...) or pass the fields as keywords instead."
-            )
-        if bits is not None or kwargs:
-            given = (["bits"] if bits is not None else []) + sorted(kwargs)
-            raise ValueError(
-                f"pass either an Options object or bits/keyword options, not both (got Options and {given}): "
-                f"use options.replace(...) to change a field."
-            )
-        return options
-    return _options.Options.make(bits, **kwargs)
+    return _options.encode_options(options, bits, **kwargs)
 
 
 def serialized_size(shape, dtype, bits=None, *, options=None, **kwargs) -> int:
@@ -203,6 +191,8 @@ def serialized_size(shape, dtype, bits=None, *, options=None, **kwargs) -> int:
     Examples:
         >>> serialized_size((2, 32, 256, 8, 128), "bfloat16", 4)
         8650831
+        >>> serialized_size((2, 32, 256, 8, 128), "bfloat16", options="turbo-4")
+        8487536
     """
     return _resolve(bits, options, kwargs).serialized_size(shape, dtype)
 
@@ -217,9 +207,12 @@ def dumps(x, bits=None, *, options=None, block_vectors: int | None = None, devic
     Args:
         x: numpy or jax array ``(..., head_dim)`` of bfloat16, float16 or float32. With
             per-group bits or raw layers: ``[2 (K, V) or 1, layers, ..., head_dim]``.
-        bits: bits per coordinate for every vector (an :class:`~tq_jax.Options` here
-            is taken as ``options``).
-        options: a :class:`~tq_jax.Options`; then pass neither ``bits`` nor fields.
+        bits: bits per coordinate for every vector (an :class:`~tq_jax.Options` or a
+            preset name here is taken as ``options``).
+        options: the starting settings: a preset name of :data:`tq_jax.PRESETS`
+            (``"turbo-4"``) or a :class:`~tq_jax.Options`; ``bits`` and keyword fields
+            override it (:func:`tq_jax.options.encode_options`, the front door every
+            API shares).
         block_vectors: vectors per kernel call (default: ~2**19 coordinates on CPU, 2**20 elsewhere).
         device: JAX device to compute on (default: where a single-device
             ``jax.Array`` lives, else JAX's default device), or a sequence of
@@ -229,13 +222,15 @@ def dumps(x, bits=None, *, options=None, block_vectors: int | None = None, devic
             the host.
         **kwargs: :class:`~tq_jax.Options` fields: ``seed`` (42), ``key_bits``,
             ``value_bits``, ``skip_first_layers``, ``skip_last_layers``, ``rotation``
-            ("haar"), ``norm_dtype`` ("auto"), ``norm_correction``, ``checksum``, ``norm_bits`` (0).
+            ("haar"), ``norm_dtype`` ("auto"), ``norm_correction``, ``checksum``, ``norm_bits`` (0);
+            or ``preset="turbo-4"``, as ``options=``.
 
     Returns:
         The blob.
 
     Raises:
-        ValueError: unsupported bits/dtype/shape/option.
+        ValueError: unsupported bits/dtype/shape/option; an unknown keyword or preset
+            (the message names the closest valid name and the presets).
         NormOverflowError: ``norm_dtype="float16"`` and a finite norm exceeds 65504.
     """
     plan, pieces = _encode(x, _resolve(bits, options, kwargs), block_vectors, device)

@@ -19,6 +19,7 @@ record it, its header field in :mod:`tq_jax.wire` and its use in the codec).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from typing import NamedTuple
 
 import numpy as np
@@ -27,8 +28,8 @@ from tq_jax import codebook as _codebook
 from tq_jax import rotation as _rotation
 from tq_jax import wire as _wire
 
-__all__ = ["Options", "PRESETS", "FieldSpec", "field_specs", "check_field", "describe_values", "field_metadata",
-           "field_type"]
+__all__ = ["Options", "PRESETS", "encode_options", "FieldSpec", "field_specs", "check_field", "describe_values",
+           "field_metadata", "field_type"]
 
 _BITS_WHY = "it sets the codebook size 2**bits."
 _NORM_BITS_WHY = "0 keeps float norms; 2..8 store each norm as a code on a log-uniform grid of 2**norm_bits - 1 levels."
@@ -324,9 +325,93 @@ PRESETS = {
     # 4/4's bytes with a value bit moved to the keys. Chosen on SmolLM2-135M in the
     # generation loop (docs/serving-smollm2.md): +0.33 % perplexity / KL 0.0022 against
     # 4/4's +0.96 % / 0.0050 (K6V2: +1.20 % / 0.0073); its passkey means over rotation
-    # seeds stay within 5 points of bf16 up to 1024 tokens, not at 2048. All-in <= 4.14
-    # bits per element at head_dim 64 (<= 4.25); in the cache (window 128, 4 sinks)
-    # 0.274x bf16 at 8k, head_dim 128.
+    # seeds stay within 5 points of bf16 up to 1024 tokens, not at 2048. All-in 4.095
+    # bits per element at head_dim 64 and 4.047 at 128 for 256-token chunks (README's
+    # table); in the cache (window 128, 4 sinks) 0.274x bf16 at 8k, head_dim 128.
     "turbo-4": dict(key_bits=5, value_bits=3, rotation="hadamard", norm_correction=True,
                     norm_bits=6, checksum=True),
 }
+
+
+# The words the settings front door takes besides the Options fields.
+_DOOR_WORDS = ("bits", "options", "preset")
+
+
+def _preset(name: str, word: str) -> dict:
+    if name not in PRESETS:
+        close = difflib.get_close_matches(name, PRESETS, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"`{word}` names no preset: {name!r}.{hint} Presets: {', '.join(sorted(PRESETS))}; or pass "
+                         f"a tq_jax.Options, or bits and the option keywords.")
+    return dict(PRESETS[name])
+
+
+def encode_options(options=None, bits=None, *, preset: str | None = None, **fields) -> Options:
+    """The one front door to the codec settings: what a caller said, as one validated :class:`Options`.
+
+    Every door takes the same forms and gives the same Options for them:
+    :func:`tq_jax.dumps`, :func:`tq_jax.dump_into` and :func:`tq_jax.serialized_size`
+    call this, :func:`tq_jax.kvcache.init` takes the same ``options``, and the
+    ``tq-jax compress --preset`` flag and the LMCache serde's ``"preset"`` key expand
+    a preset the same way (tests/test_settings_front_door.py checks that the bytes agree).
+
+    Args:
+        options: the starting values: None, a preset name of :data:`PRESETS`
+            (``"turbo-4"``), or an :class:`Options`.
+        bits: one width for both groups (keys and values); ``key_bits`` or
+            ``value_bits`` given as well win for their group.
+        preset: a preset name, as the CLI's ``--preset`` and the bridge's ``"preset"``
+            say it (the same as ``options=name``; not both).
+        **fields: :class:`Options` fields, each overriding the starting value.
+
+    Returns:
+        The validated :class:`Options`.
+
+    Raises:
+        ValueError: an unknown keyword (named, with the closest valid name and the
+            presets), an unknown preset, ``options`` of another type, both ``options``
+            and ``preset``, no bits for a group, or a value :class:`Options` refuses.
+
+    Examples:
+        >>> encode_options("turbo-4") == Options(**PRESETS["turbo-4"])
+        True
+        >>> encode_options("turbo-4", seed=7).seed, encode_options(bits=3).value_bits
+        (7, 3)
+    """
+    unknown = [k for k in fields if k not in _FIELDS]
+    if unknown:
+        valid = [*_DOOR_WORDS, *_FIELDS]
+        name = unknown[0]
+        close = difflib.get_close_matches(name, valid, n=1)
+        hint = f" Did you mean `{close[0]}`?" if close else ""
+        raise ValueError(
+            f"unknown option `{name}`{f' (and {unknown[1:]})' if unknown[1:] else ''}.{hint} The options are "
+            f"{', '.join(valid)}; the presets (options='...'): {', '.join(sorted(PRESETS))}."
+        )
+    if preset is not None:
+        if options is not None:
+            raise ValueError(f"pass the preset once: options={options!r} and preset={preset!r} both say where to "
+                             f"start. Use options={preset!r} alone and override fields with keywords.")
+        options = preset
+    if options is None:
+        base = {}
+    elif isinstance(options, str):
+        base = _preset(options, "preset" if preset is not None else "options")
+    elif isinstance(options, Options):
+        base = dataclasses.asdict(options)
+    else:
+        raise ValueError(
+            f"`options` must be None, a preset name or a tq_jax.Options, got {type(options).__name__}: "
+            f"e.g. options='turbo-4' (presets: {', '.join(sorted(PRESETS))}), "
+            f"options=tq_jax.Options.make(4, ...), or the fields as keywords."
+        )
+    if bits is not None:  # named as the caller named it; key_bits/value_bits keywords win
+        bits = check_field(_FIELDS["key_bits"], bits, "bits")
+        base.update(key_bits=bits, value_bits=bits)
+    base.update(fields)
+    if "key_bits" not in base or "value_bits" not in base:
+        raise ValueError(
+            "give `bits` (one width for everything), both `key_bits` and `value_bits`, or a preset "
+            f"(options='turbo-4'; presets: {', '.join(sorted(PRESETS))})."
+        )
+    return Options(**base)

@@ -439,8 +439,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=_passkey.FORMATS, default="chat", help="prompt format (default %(default)s: scores best with the bf16 cache)")
     p.add_argument("--seed", type=int, default=0, help="seed of the keys (default %(default)s)")
     p.add_argument("--strict-prefill", action="store_true", help="prefill the context through each cache under test instead of loading exact K/V")
-    p.add_argument("--filler", choices=_passkey.FILLERS, default="varied", help="varied: the standard filler's sentences in an order drawn per prompt; fixed: one repeated filler for all (the tables before issue 31); pool: sentences drawn per prompt from a larger pool (harder) (default %(default)s)")
-    p.add_argument("--question-steps", action="store_true", help="feed the question one token per step (the tables before issue 31) instead of in one step")
+    p.add_argument("--filler", choices=_passkey.FILLERS, default="varied", help="varied: the standard filler's sentences in an order drawn per prompt; fixed: one repeated filler for all (the earlier passkey tables' protocol); pool: sentences drawn per prompt from a larger pool (harder) (default %(default)s)")
+    p.add_argument("--question-steps", action="store_true", help="feed the question one token per step (the earlier passkey tables' protocol) instead of in one step")
     p.add_argument("--batch", type=_positive, default=50, help="prompts per batch: the depths of one context run together, --keys per depth (default %(default)s; memory grows with it)")
     p.set_defaults(func=cmd_passkey)
 

@@ -279,17 +279,25 @@ SEALED_VALUE = (
     "option), not a tensor file: nothing in it can be read without the master key. Load it through the serde with "
     "the same `encrypt` block; `tq-jax inspect {path}` shows its frame and size."
 )
+NOT_A_TENSOR_FILE = (
+    "{path}: not a safetensors file or TQ01 blob: it starts with {head!r}, where a safetensors file has its "
+    "header's length (8 bytes) and then '{{' and a TQ01 blob 'TQ01'. tq-jax reads safetensors files, and .npy "
+    "and .npz files by their extension; `tq-jax inspect` also reads TQ01 blobs and stored LMCache values."
+)
 
 
 def _refuse_bare_blob(path: str) -> None:
     """A file starting with the TQ01 magic is a blob, not safetensors: say so (its first
     8 bytes would otherwise read as an absurd safetensors header length). A key-bound
-    L2 value (blob + key trailer) and a sealed one (TQS1/TQS2) are named as such."""
+    L2 value (blob + key trailer) and a sealed one (TQS1/TQS2) are named as such, and a
+    file whose ninth byte is not the ``{`` of a safetensors header as none of them."""
     with open(path, "rb") as f:
         head = f.read(frames.SEAL_OVERHEAD)
     if frames.sealed_version(head) is not None:
         raise BatchError(SEALED_VALUE.format(path=path, magic=head[:4].decode()))
     if head[: len(MAGIC)] != MAGIC:
+        if head[8:9] != b"{":  # a safetensors file: a little-endian u64 header length, then its JSON
+            raise BatchError(NOT_A_TENSOR_FILE.format(path=path, head=head[:8]))
         return
     mm = np.memmap(path, np.uint8, mode="r")
     try:

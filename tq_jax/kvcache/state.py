@@ -201,22 +201,10 @@ def _next_pow2(n: int) -> int:
 
 def _resolve_options(options, overrides: dict) -> _options.Options:
     """The cache's codec settings as one validated :class:`tq_jax.Options`."""
-    if options is None:
-        opts = _options.Options(key_bits=4, value_bits=4)
-    elif isinstance(options, str):
-        if options not in _options.PRESETS:
-            raise ValueError(
-                f"`options` names no preset: {options!r}. Presets: {sorted(_options.PRESETS)}; or pass a "
-                f"tq_jax.Options."
-            )
-        opts = _options.Options(**_options.PRESETS[options])
-    elif isinstance(options, _options.Options):
-        opts = options
-    else:
-        raise ValueError(f"`options` must be None, a preset name or a tq_jax.Options, got {type(options).__name__}.")
     given = {k: v for k, v in overrides.items() if v is not None}
-    if given:
-        opts = opts.replace(**given)  # validated by Options, with its messages
+    # The settings front door every API shares (validated by Options, with its messages);
+    # no options: 4/4 bits, TQ01 v1's settings.
+    opts = _options.encode_options(options, None if options is not None else 4, **given)
     if opts.skip_first_layers or opts.skip_last_layers:
         raise ValueError(
             f"skip_first_layers={opts.skip_first_layers}, skip_last_layers={opts.skip_last_layers}: raw layers "

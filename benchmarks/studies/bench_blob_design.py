@@ -1,4 +1,14 @@
-"""The measurements behind three choices in tq_jax/blob.py, re-run side by side.
+"""Study. Question: how should the host block driver hand blocks to the kernels (numpy
+arguments or device_put, who stages unaligned blocks, how big a CPU block)?
+
+Answer: numpy blocks as arguments of the jitted call (~14 us a call against ~140 us
+with a device_put first), numpy staging of unaligned blocks (~36 us against 190-620 us
+for XLA's copy), and 2**19 coordinates per CPU block (within 5 % of 2**20 today, kept
+because the block size can move the last bit of float32 norms). Written in
+benchmarks/results/design_notes.md ("Block driver"); the choices live in
+tq_jax/blocks.py.
+
+The measurements behind three choices of the block driver, re-run side by side:
 
 1. Blocks reach the kernels as numpy arguments of the jitted call, not through a
    separate ``jax.device_put`` (per-call overhead of each, one 4096 x 128 bf16 block).
@@ -7,7 +17,7 @@
 3. The CPU block size: ``CPU_BLOCK_COORDS`` (2**19 coordinates) against the default
    2**20, W1 4-bit encode and decode, Haar and Hadamard.
 
-    python benchmarks/bench_blob_design.py      # prints a markdown table
+    python -m benchmarks.studies.bench_blob_design      # from the repository root; prints a markdown table
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import tq_jax
-from bench_device_path import best_of  # this directory is on sys.path when run as a script
+from benchmarks.timing import best_of
 from tq_jax import blocks
 
 W1 = (2, 32, 256, 8, 128)

@@ -1,4 +1,11 @@
-"""W1 speed of two source trees, interleaved: is a change neutral for speed?
+"""Study tool. Question: is a change neutral for the codec's W1 speed on the CPU?
+
+Answer, each time it was asked: yes, within noise, for the module splits, the layer
+restructuring with the device path, and the resolved plan; the runs are
+benchmarks/results/w1_*_before_after.md, cited from README.md's "Numbers". Run it before
+merging a restructuring of the blob path.
+
+W1 speed of two source trees, interleaved.
 
 W1 = [2, 32, 256, 8, 128] bfloat16 Gaussian (33.5 MB). Each round runs every tree in a
 fresh process (``PYTHONPATH`` set to the tree, so ``import tq_jax`` is that tree's),
@@ -9,7 +16,7 @@ memcpy and a float32 GEMM of W1's vectors by a 128 x 128 matrix are timed in the
 processes as yardsticks of the machine's drift.
 Both trees' blobs are checked byte-identical on W1 for every case.
 
-    python benchmarks/bench_w1_trees.py BEFORE_TREE AFTER_TREE --rounds 6 --out benchmarks/results/X.md
+    python benchmarks/studies/bench_w1_trees.py BEFORE_TREE AFTER_TREE --rounds 6 --out benchmarks/results/X.md
 
 A tree is a directory holding ``tq_jax/`` (e.g. ``git archive main | tar -x -C /tmp/main``).
 """
@@ -70,7 +77,7 @@ print(json.dumps({"times": out, "digests": digests}))
 
 def run_tree(tree: str, reps: int) -> dict:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, "-c", _CHILD, os.path.dirname(os.path.abspath(__file__)), str(reps)], env=env, capture_output=True, text=True, cwd=tree,
+    r = subprocess.run([sys.executable, "-c", _CHILD, os.path.dirname(os.path.dirname(os.path.abspath(__file__))), str(reps)], env=env, capture_output=True, text=True, cwd=tree,
                        check=True)
     return json.loads(r.stdout.strip().splitlines()[-1])
 

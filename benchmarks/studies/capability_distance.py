@@ -1,4 +1,12 @@
-"""How far the reference's rotation and blobs are from tq_jax's, per torch CPU capability.
+"""Study. Question: how far are the reference's rotation and blobs from tq_jax's, per torch CPU capability?
+
+Answer: torch's AVX2 and AVX-512 capabilities run the same randn kernel, which tq_jax
+replays bit for bit; DEFAULT differs by about 1 float32 ulp. The reference's float32 QR
+(MKL's code path and thread count) moves its Q by ~1e-6 on every host, so its blobs
+differ from tq_jax's (and from each other across hosts) by rare one-level index flips,
+and each decodes the other's to ~1e-4. Written in docs/interop.md; the run is
+benchmarks/results/capability.md.
+
 
 The reference (``lmcache-turbo-quant-serde`` 0.1.0 on ``tqai`` 0.6.1) builds its rotation
 as ``Q = qr(torch.randn(d, d, generator=manual_seed(seed)))`` in float32 on the machine
@@ -24,8 +32,8 @@ torch reports it back), with MKL as it comes, plus MKL variants under ``avx2``
 code path and per thread count, so the reference's ``Q`` depends on the host beyond the
 capability.
 
-    python benchmarks/capability_distance.py            # writes benchmarks/results/capability.md
-    python benchmarks/capability_distance.py --quick    # 2 seeds, no W1 at head_dim 64
+    python benchmarks/studies/capability_distance.py            # writes benchmarks/results/capability.md
+    python benchmarks/studies/capability_distance.py --quick    # 2 seeds, no W1 at head_dim 64
 """
 
 from __future__ import annotations
@@ -157,7 +165,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "capability.md"))
+    ap.add_argument("--out", default=str(Path(__file__).parents[1] / "results" / "capability.md"))
     args = ap.parse_args()
     if args.worker:
         worker(args.worker)
@@ -203,7 +211,7 @@ def main() -> None:
     add = lines.append
     add("# Distance of the reference's rotation and blobs to tq_jax's, per torch CPU capability")
     add("")
-    add(f"Measured by `benchmarks/capability_distance.py` on `{model}`, {os.cpu_count()} CPUs, "
+    add(f"Measured by `benchmarks/studies/capability_distance.py` on `{model}`, {os.cpu_count()} CPUs, "
         f"torch {__import__('torch').__version__}, numpy {np.__version__}.")
     add("")
     add("CPU flags: " + ", ".join(f"{f} {'yes' if v else 'no'}" for f, v in have.items()) + ".")

@@ -1,6 +1,12 @@
-"""How close can any 4-bit key code get to the key precision a passkey cell needs?
+"""Study. Question: how close can any 4-bit key code get to the key precision a passkey cell needs?
 
-The passkey probe (:mod:`benchmarks.passkey_codec_probe`) finds that keys decide the
+Answer: not close enough. At 4/4's 4.25 bits per key element even the ideal per-channel
+code (Shannon's reverse water-filling, everything known in advance) is worth 6.3
+TurboQuant key bits at 2048 @ 50 %, while the cell needs 7-8; TurboQuant's outlier
+split reaches 4.5. Written in docs/serving-smollm2.md ("Nor by a smarter code of the same
+bytes"), tables 7-8 of benchmarks/results/smollm2_passkey_probe.md.
+
+The passkey probe (:mod:`benchmarks.studies.passkey_codec_probe`) finds that keys decide the
 2048-token cells and that 6-bit keys still lose one. This script asks whether a smarter
 key code *at the same 4 bits* could reach that precision, on the quantity attention
 actually reads: the error of the logits ``q . k / sqrt(d)`` of the question's queries
@@ -8,7 +14,7 @@ over the coded span of SmolLM2-135M's passkey prompt (one prompt: the context an
 question, prefilled exactly, queries and keys after RoPE).
 
 1. **Real codes.** TurboQuant at 3..8 bits (Haar, seed 42, float16 norms), and
-   TurboQuant's outlier split (:func:`~benchmarks.passkey_codec_probe.split_codec`:
+   TurboQuant's outlier split (:func:`~benchmarks.studies.passkey_codec_probe.split_codec`:
    the ``m`` highest-energy channels of each layer and KV head at ``hi`` bits, the rest at
    ``lo``). Each row's logit error is also read as the Lloyd-Max bits a plain rotated
    code needs for it ("iso-equivalent bits", interpolated on the 3..8-bit rows).
@@ -24,8 +30,8 @@ question, prefilled exactly, queries and keys after RoPE).
    most any per-token code of the same budget can gain over TurboQuant's, under the
    Gaussian model.
 
-    python -m benchmarks.passkey_key_floor --context 2048 --depth 50   # from the repository root
-    python -m benchmarks.passkey_key_floor --key-bits 3 --norm-bits 6  # turbo-2.5's key budget
+    python -m benchmarks.studies.passkey_key_floor --context 2048 --depth 50   # from the repository root
+    python -m benchmarks.studies.passkey_key_floor --key-bits 3 --norm-bits 6  # turbo-2.5's key budget
 
 Prints two markdown tables. What it does not bound: codes across tokens (the filler
 repeats; a code that exploits that is not a per-token KV cache).
@@ -41,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from benchmarks.passkey_codec_probe import codec, split_codec
+from benchmarks.studies.passkey_codec_probe import codec, split_codec
 from examples.smollm2 import model
 from examples.smollm2.passkey import build_prompts, random_keys
 from tq_jax import codebook
