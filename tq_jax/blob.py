@@ -122,20 +122,49 @@ def _single_device(x, device):
 HOST_INPUT_LIMIT = 1 << 30
 
 
+def takes(device) -> bool:
+    """Whether data for ``device`` (a ``jax.Device``) take the device path: accelerators
+    do, and CPU devices when :data:`tq_jax.resident.ON_CPU` is set (tests, benchmarks).
+    On the CPU backend the host block driver already reads and writes device memory in
+    place (benchmarks/results/device_path_cpu.md)."""
+    return _resident.ON_CPU or device.platform != "cpu"
+
+
+def _device_of(device):
+    """``device`` as one ``jax.Device`` (None: JAX's default, ``jax.default_device``
+    contexts included), or None for a sequence of devices (the host driver's)."""
+    if device is None:
+        d = jax.config.jax_default_device
+        return jax.devices(d)[0] if isinstance(d, str) else d if d is not None else jax.devices()[0]
+    return device if isinstance(device, jax.Device) else None
+
+
+def _executor(plan, device) -> tuple[str, object]:
+    """The one choice of what runs a plan on ``device`` (a ``jax.Device`` or None):
+    ``("host", None)``, the host block driver (:mod:`tq_jax.blocks`); ``("program", d)``,
+    one compiled program on ``d`` (:mod:`tq_jax.program`); or ``("blocks", d)``, the
+    per-block device path (:mod:`tq_jax.resident`: QJL blobs, blobs of 2 GiB or more, or
+    :data:`tq_jax.resident.EXECUTOR` ``"blocks"``)."""
+    if device is None or not takes(device):
+        return "host", None
+    if _resident.EXECUTOR == "program" and _program.fits(plan):
+        return "program", device
+    return "blocks", device
+
+
 def _program_device(x, device):
-    """The device whose compiled program encodes ``x`` (:mod:`tq_jax.program`), or None
+    """The device on which ``x`` is encoded (:func:`_executor` then says how), or None
     for the host block driver: a ``jax.Array`` on an accelerator (or ``device=`` one),
     or host data of at most :data:`HOST_INPUT_LIMIT` bytes with ``device=`` an
-    accelerator (or none given and JAX's default one is). :mod:`tq_jax.resident`
-    decides which devices take the device path and which executor runs there."""
+    accelerator (or none given and JAX's default one is), for the program executor."""
     dev = _single_device(x, device)
     if dev is None:
         if isinstance(x, jax.Array) or not (device is None or isinstance(device, jax.Device)):
             return None  # sharded or traced input, or a sequence of devices: blocks in turn
         if _resident.EXECUTOR != "program" or x.nbytes > HOST_INPUT_LIMIT:
             return None
-        dev = _blocks.default_device() if device is None else device
-    return dev if _resident.takes(dev) else None
+        dev = _device_of(device)
+    return dev if takes(dev) else None
 
 
 def _encode(x, options: _options.Options, block_vectors, device):
@@ -146,9 +175,10 @@ def _encode(x, options: _options.Options, block_vectors, device):
     dev = _program_device(x, device)
     arr = x if dev is not None and isinstance(x, jax.Array) else np.asarray(_host_view(x), order="C")  # 0-d stays 0-d
     plan = _plan.for_tensor(tuple(arr.shape), _check_tensor(arr), options)  # the one read of the options
-    if dev is not None and _resident.EXECUTOR == "program" and _program.fits(plan):
+    how, dev = _executor(plan, dev)
+    if how == "program":
         return _program.encode(plan, arr, block_vectors, dev)
-    if dev is not None:
+    if how == "blocks":
         encoded, raw = _resident.encode(arr, plan, block_vectors, dev)
     else:
         encoded, raw = _blocks.encode_plan(arr, plan, block_vectors, _blocks.device_list(device))
@@ -275,16 +305,6 @@ def dump_into(x, out, bits=None, *, options=None, block_vectors: int | None = No
 # --------------------------------------------------------------------------- decode
 
 
-def _np_dtype(dtype):
-    return np.dtype(jnp.dtype(dtype))
-
-
-def _program_target(device):
-    """The device whose compiled program decodes a blob (see :func:`_program_device`), or None."""
-    target = _blocks.default_device() if device is None else device
-    return target if isinstance(target, jax.Device) and _resident.takes(target) else None
-
-
 def _blob_bytes(blob) -> np.ndarray:
     """A parsed blob's bytes as a 1-D uint8 array (a view when it already is one)."""
     if isinstance(blob, np.ndarray):
@@ -322,19 +342,15 @@ def loads(blob, *, dtype=None, block_vectors: int | None = None, device=None) ->
     Raises:
         WireError: the blob is malformed or corrupt (one subclass per cause).
     """
-    p = _wire.parse(blob)
-    plan = _plan.for_header(p.header)
+    p = _wire.parse(blob)  # the one parse: header, sections, the header's own bytes
+    plan = _plan.for_parsed(p)
     dt = _check_out_dtype(p.header.dtype if dtype is None else dtype)
-    target = _program_target(device)
-    if target is not None:  # decoded where it will live
-        if _resident.EXECUTOR == "program" and _program.fits(plan):
-            return _program.decode(plan, p, _blob_bytes(blob), dt, block_vectors, target)
+    how, target = _executor(plan, _device_of(device))
+    if how == "program":  # decoded where it will live
+        return _program.decode(plan, p, _blob_bytes(blob), dt, block_vectors, target)
+    if how == "blocks":
         return _resident.decode(p, plan, dt, block_vectors, target)
-    out = _blocks.aligned_empty(p.header.shape, _np_dtype(dt))
-    _blocks.decode_plan(p, plan, out, block_vectors, _blocks.device_list(device))
-    # Zero-copy on CPU: `out` is 64-byte aligned. With several devices the result
-    # lands on the first.
-    return jax.device_put(out, _blocks.device_list(device)[0])
+    return _blocks.decode(p, plan, dt, block_vectors, device)
 
 
 def load_into(blob, out: np.ndarray, *, block_vectors: int | None = None, device=None) -> _wire.Header:
@@ -358,12 +374,11 @@ def load_into(blob, out: np.ndarray, *, block_vectors: int | None = None, device
             f"the destination must have the same number of values and a last axis that is a "
             f"multiple of head_dim={h.dim}."
         )
-    plan = _plan.for_header(h)
-    target = _program_target(device)
-    if target is not None and _resident.EXECUTOR == "program" and _program.fits(plan):
-        # one transfer in, one program, one transfer back into `out`
+    plan = _plan.for_parsed(p)
+    how, target = _executor(plan, _device_of(device))
+    if how == "program":  # one transfer in, one program, one transfer back into `out`
         arr = _program.decode(plan, p, _blob_bytes(blob), out.dtype, block_vectors, target)
         out.reshape(plan.shape)[...] = np.asarray(jax.device_get(arr))
         return h
-    _blocks.decode_plan(p, plan, out, block_vectors, _blocks.device_list(device))
+    _blocks.decode_into(p, plan, out, block_vectors, device)
     return h

@@ -315,3 +315,18 @@ def decode_plan(p: _wire.Parsed, plan, out: np.ndarray, block_vectors, devices) 
     for r in plan.raw:
         part = rows(out, plan, r.row_start, r.rows)
         part[...] = p.raw[r.offset - base : r.offset - base + r.nbytes].view(src_dt).reshape(part.shape)
+
+
+def decode(p: _wire.Parsed, plan, dtype, block_vectors, device) -> jax.Array:
+    """The host executor of ``loads``: the blob's tensor decoded block by block
+    (:func:`decode_plan`) into a 64-byte-aligned host buffer that becomes the result on
+    ``device`` (:func:`device_list`'s first), adopted without a copy on the CPU backend."""
+    devices = device_list(device)
+    out = aligned_empty(plan.shape, np.dtype(jax.numpy.dtype(dtype)))
+    decode_plan(p, plan, out, block_vectors, devices)
+    return jax.device_put(out, devices[0])
+
+
+def decode_into(p: _wire.Parsed, plan, out: np.ndarray, block_vectors, device) -> None:
+    """The host executor of ``load_into``: :func:`decode_plan` on ``device``'s list."""
+    decode_plan(p, plan, out, block_vectors, device_list(device))

@@ -9,8 +9,8 @@ immutable and hashable, so compiled programs can be cached by it.
 
 Both executors read only the plan: the host block driver (:mod:`tq_jax.blocks`, driven
 by :mod:`tq_jax.blob`) and the device program (:mod:`tq_jax.program`). Nothing below
-:mod:`tq_jax.blob` asks :class:`~tq_jax.Options` again; on load the parsed header
-becomes the plan (:func:`for_header`).
+:mod:`tq_jax.blob` asks :class:`~tq_jax.Options` again; on load the parse becomes the
+plan (:func:`for_parsed`: the header as the parser read it, not written again).
 
 Row coordinates: a tensor of shape ``(..., d)`` is viewed as ``(rows, d)`` with
 ``rows = prod(shape[:-1])``. A KV segment ``x[g, lo:hi]`` of ``[G, L, ..., d]`` and a
@@ -25,7 +25,7 @@ import math
 
 from tq_jax import wire as _wire
 
-__all__ = ["Plan", "Segment", "RawRange", "for_tensor", "for_header", "OVERFLOW_POLICIES"]
+__all__ = ["Plan", "Segment", "RawRange", "for_tensor", "for_header", "for_parsed", "OVERFLOW_POLICIES"]
 
 OVERFLOW_POLICIES = ("raise", "widen", "keep")
 """What a norm beyond float16's range does: ``raise`` (``norm_dtype="float16"``),
@@ -147,10 +147,12 @@ def _config(dim: int, bits: int, seed: int, rotation: str, norm_correction: bool
     return _codec.CodecConfig(dim, bits, seed, rotation, norm_correction)
 
 
-def _build(header: _wire.Header, configs, overflow: str, widened) -> Plan:
+def _build(header: _wire.Header, configs, overflow: str, widened, parsed: _wire.Parsed | None = None) -> Plan:
+    """The plan of ``header``; from a parse (``parsed``) its header bytes and length are the
+    blob's own, read once by the parser and not written again."""
     h = header
     dim = h.shape[-1] if h.shape else 0
-    hb = _wire.header_bytes(h)
+    hb = parsed.header_bytes if parsed is not None else _wire.header_bytes(h)
     off = len(hb)
     per_layer = math.prod(h.shape[2:-1]) if h.kv_layout else 0
     layers = h.shape[1] if h.kv_layout else 0
@@ -170,7 +172,7 @@ def _build(header: _wire.Header, configs, overflow: str, widened) -> Plan:
     if h.version == _wire.VERSION_2:
         raw_offset = off + _LEN
         r_off = raw_offset
-        itemsize = _wire.dtype_itemsize(h.dtype)
+        itemsize = _wire.ITEMSIZE[h.dtype]
         for g, lo, hi in h.raw_ranges():
             rows = (hi - lo) * per_layer
             nbytes = rows * dim * itemsize
@@ -182,8 +184,8 @@ def _build(header: _wire.Header, configs, overflow: str, widened) -> Plan:
         off += _LEN + sk + _LEN + rn
     if h.version == _wire.VERSION_2 and h.checksum:
         off += 4
-    nbytes = _wire.blob_nbytes(h)
-    if off != nbytes:  # the plan's layout and wire's size are two readings of one format
+    nbytes = parsed.nbytes if parsed is not None else _wire.blob_nbytes(h)
+    if off != nbytes:  # the plan's layout and wire's size (or the parsed blob's) are two readings of one format
         raise AssertionError(f"plan: sections end at {off} but wire.blob_nbytes says {nbytes} for {h}")
     return Plan(
         header=h,
@@ -224,6 +226,16 @@ def for_tensor(shape, dtype, options) -> Plan:
 def for_header(header: _wire.Header) -> Plan:
     """The plan of reading a blob whose parsed header is ``header``: every segment's
     codec from the header's own fields (bits, seed, rotation, norm correction)."""
+    return _build(header, _read_configs(header), "keep", None)
+
+
+def for_parsed(parsed: _wire.Parsed) -> Plan:
+    """The plan of reading a parsed blob: :func:`for_header` of its header, with the
+    header bytes and length the parser read (nothing is written again). Equal to the
+    plan the writer resolved."""
+    return _build(parsed.header, _read_configs(parsed.header), "keep", None, parsed)
+
+
+def _read_configs(header: _wire.Header) -> list:
     dim = header.shape[-1]
-    configs = [_config(dim, bits, header.seed, header.rotation, header.norm_correction) for _, bits, *_ in header.segments()]
-    return _build(header, configs, "keep", None)
+    return [_config(dim, bits, header.seed, header.rotation, header.norm_correction) for _, bits, *_ in header.segments()]

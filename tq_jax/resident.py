@@ -1,10 +1,11 @@
 """The device path of :mod:`tq_jax.blob`: data on an accelerator stays there.
 
-This module decides which devices take the device path (:func:`takes`) and which
+Its settings say which devices take the device path (:data:`ON_CPU`) and which
 executor runs there (:data:`EXECUTOR`): ``"program"`` (the default), one compiled
 program per blob (:mod:`tq_jax.program`), or ``"blocks"``, the per-block dispatch
 below, kept so that one run on one card can measure both (``benchmarks/accelerator.py``
 step 2) and for what the program does not run (QJL blobs, blobs of 2 GiB or more).
+:mod:`tq_jax.blob` makes the choice, in one place (``blob.takes``, ``blob._executor``).
 
 The per-block dispatch: a jax.Array on one device is encoded there: one
 program cuts its blocks on the device (the last one padded to its bucket, so every
@@ -21,8 +22,7 @@ pipelines blocks with bounded memory. CPU devices therefore take it; tests set
 (benchmarks/results/device_path_cpu.md has the measurements behind this choice.)
 
 The public API stays :func:`tq_jax.dumps` / :func:`tq_jax.loads`: :mod:`tq_jax.blob`
-asks :func:`takes` whether a device's data come here and calls :func:`encode` /
-:func:`decode`. The blocks run through the same block driver (:mod:`tq_jax.blocks`)
+decides whether a device's data come here and calls :func:`encode` / :func:`decode`. The blocks run through the same block driver (:mod:`tq_jax.blocks`)
 and kernels as the host path, so the bytes are the same.
 """
 
@@ -40,17 +40,12 @@ from tq_jax import program as _program
 from tq_jax import wire as _wire
 from tq_jax.plan import Plan
 
-__all__ = ["ON_CPU", "EXECUTOR", "EXECUTORS", "takes", "encode", "decode", "encoder", "assembler", "CACHES",
+__all__ = ["ON_CPU", "EXECUTOR", "EXECUTORS", "encode", "decode", "encoder", "assembler", "CACHES",
            "cache_stats", "clear_caches"]
 
 ON_CPU = False  # True: take this path on CPU devices too (tests, benchmarks)
 EXECUTORS = ("program", "blocks")
 EXECUTOR = "program"  # one of EXECUTORS: which executor runs the device path
-
-
-def takes(device) -> bool:
-    """Whether data for ``device`` (None: JAX's default) takes the device-resident path."""
-    return ON_CPU or not _blocks.is_cpu(device)
 
 
 # Compiled programs keyed by a blob's layout and shape (a decoder's come from untrusted

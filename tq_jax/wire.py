@@ -79,6 +79,7 @@ __all__ = [
     "NormCodes",
     "NORM_BITS",
     "DTYPES",
+    "ITEMSIZE",
     "NORM_DTYPES",
     "ROTATION_CODES",
     "seed32",
@@ -102,6 +103,7 @@ VERSIONS = (VERSION_1, VERSION_2)
 READ_BITS_V1 = (2, 3, 4, 6, 8)  # the widths the reference (tqai.packing) accepts
 DTYPES = ("bfloat16", "float16", "float32")
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+ITEMSIZE = _ITEMSIZE  # bytes per element of each recorded dtype
 NORM_DTYPES = ("float16", "float32")
 
 _PREFIX = struct.Struct("<4sBBBHi")  # magic version bits use_qjl qjl_m seed: 13 bytes
@@ -328,7 +330,9 @@ class Parsed(NamedTuple):
     """A parsed blob: header plus zero-copy views of its sections.
 
     ``indices``/``norms`` are lists with one entry per :meth:`Header.segments` entry
-    (one for version 1); ``raw`` holds the raw edge layers (empty for version 1).
+    (one for version 1); ``raw`` holds the raw edge layers (empty for version 1);
+    ``header_bytes`` the header as read (up to the first section length) and ``nbytes``
+    the blob's length, so a plan is built from the parse without writing them again.
     """
 
     header: Header
@@ -337,6 +341,8 @@ class Parsed(NamedTuple):
     sketch: np.ndarray | None  # int8 (num_vectors, m)
     residual_norms: np.ndarray | None  # float16 (num_vectors,)
     raw: np.ndarray  # uint8 (raw_nbytes,)
+    header_bytes: bytes = b""
+    nbytes: int = 0
 
 
 def seed32(seed: int) -> int:
@@ -955,6 +961,7 @@ def parse(blob) -> Parsed:
     _refuse_key_trailer(mv)  # named, instead of a CRC mismatch or trailing bytes
     r = _Reader(mv)
     h = _read_header(r)
+    header_bytes = bytes(mv[: r.off])
     dim = h.dim
     sk = rn = None
     if h.version == VERSION_1:
@@ -990,4 +997,6 @@ def parse(blob) -> Parsed:
         None if sk is None else np.frombuffer(sk, np.int8).reshape(n_vec, h.qjl_sketch_size),
         None if rn is None else np.frombuffer(rn, np.float16),
         raw,
+        header_bytes,
+        len(mv),
     )
