@@ -1,0 +1,31 @@
+"""``loads`` is a straight path: parse once, plan from the parse, one executor downward.
+
+The walk (:mod:`tools.call_walk`) is the sequence of tq_jax modules whose functions run,
+a return counted only when the caller calls on; a climb is a step into a higher layer.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+import tq_jax
+from tools.call_walk import summary, walk
+
+
+def test_loads_of_a_v1_blob_walks_straight_down():
+    x = np.random.default_rng(0).standard_normal((2, 2, 16, 2, 64)).astype(jnp.bfloat16)
+    blob = tq_jax.dumps(x, bits=4)
+    tq_jax.loads(blob)  # warm: compiling is not the walk
+    seq = walk(tq_jax.loads, blob)
+    s = summary(seq)
+    assert s["stops"] <= 12 and s["modules"] <= 5 and s["climbs"] <= 3, s
+    assert [m for m in seq if m != "tq_jax.blob"] == ["tq_jax.wire", "tq_jax.plan", "tq_jax.blocks", "tq_jax.codec"], s["walk"]
+    out = np.empty_like(x)
+    tq_jax.load_into(blob, out)
+    assert summary(walk(tq_jax.load_into, blob, out))["walk"] == s["walk"]
+
+
+def test_the_walk_counts_returns_that_call_on_and_climbs():
+    assert summary(["tq_jax.blob", "tq_jax.wire", "tq_jax.blob", "tq_jax.blocks", "tq_jax.codec", "tq_jax.blob"]) == {
+        "stops": 6, "modules": 4, "climbs": 2, "walk": "blob → wire → blob → blocks → codec → blob"}
