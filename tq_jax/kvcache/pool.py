@@ -167,6 +167,11 @@ def init_pool(
     options=None,
     dtype=jnp.bfloat16,
     *,
+    key_bits: int | None = None,
+    value_bits: int | None = None,
+    rotation: str | None = None,
+    seed: int | None = None,
+    norm_correction: bool | None = None,
     window: int | None = None,
     sinks: int | None = None,
     max_seqs: int = DEFAULT_MAX_SEQS,
@@ -183,6 +188,8 @@ def init_pool(
             keys and values, Haar, seed 42), a preset name (``"turbo-4"``, ``"turbo-3.5"``,
             ...) or a :class:`tq_jax.Options`.
         dtype: the model's K/V dtype (bfloat16, float16 or float32).
+        key_bits, value_bits, rotation, seed, norm_correction: override those fields of
+            ``options``, as :func:`tq_jax.kvcache.init`'s do.
         window: each sequence's most recent tokens read exactly; default
             :func:`tq_jax.kvcache.default_window` (128, or 256 at 2 bits or fewer); 0: none.
         sinks: each sequence's first tokens read exactly; default
@@ -212,7 +219,10 @@ def init_pool(
     page_size = _state.power_of_two(page_size, "page_size", "tokens per page; attention's blocks tile pages.")
     kv_heads = _state.positive_int(kv_heads, "kv_heads", "the number of key/value heads.")
     head_dim = _state.positive_int(head_dim, "head_dim", "the length of each key/value vector.")
-    opts = _state.resolve_options(options, {})
+    opts = _state.resolve_options(
+        options,
+        dict(key_bits=key_bits, value_bits=value_bits, rotation=rotation, seed=seed, norm_correction=norm_correction),
+    )
     dtype_name = _state.check_layout(head_dim, opts, dtype)
     big = num_pages * page_size
     window = (min(_state.default_window(opts.key_bits, opts.value_bits), big) if window is None

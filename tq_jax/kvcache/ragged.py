@@ -67,10 +67,18 @@ MAX_Q_BLOCK = 64  # queries per tile at most (a tile's rows are G * q_block)
 # --------------------------------------------------------------------------- attend
 
 
-def interpret() -> bool:
-    """Whether the Pallas kernels run in the Pallas interpreter (on a CPU backend) or
-    compiled: the one place this module decides it."""
-    return jax.default_backend() == "cpu"
+def interpret(impl: str):
+    """How the Pallas kernel ``impl`` runs: compiled (False) on an accelerator, or, on a
+    CPU backend, in the Pallas interpreter (True), the TPU kernel in the TPU interpreter
+    (``pltpu.InterpretParams()``: TPU memory spaces and semantics, checked on CPU). The
+    one place this module decides it."""
+    if jax.default_backend() != "cpu":
+        return False
+    if impl == "pallas_tpu":
+        from jax.experimental.pallas import tpu as pltpu  # Pallas loads only when asked for
+
+        return pltpu.InterpretParams()
+    return True
 
 
 def tiles(cu_q_lens, num_seqs, q_block: int, n_tiles: int):
@@ -296,7 +304,7 @@ def attend(pool: Pool, q, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scal
     n_tiles = min(n_tok, -(-n_tok // q_block) + n_seq)
     block = block_tokens or _state.default_block_tokens(n_tiles, cfg.kv_heads, cfg.head_dim)
     block = _state.power_of_two(block, "block_tokens", "tokens per step of the coded loop.")
-    interp = interpret()
+    interp = interpret(resolved)
     if resolved == "pallas_gpu" and not interp:
         from tq_jax.kvcache import pallas_gpu
 
