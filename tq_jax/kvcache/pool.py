@@ -197,9 +197,11 @@ def init_pool(
             for writes given ``positions``.
         max_seqs: the most sequences whose window and sinks are kept at once: sizes the
             exact pools' defaults below.
-        exact_pages: window pages; default ``2 * max_seqs * window_pages`` (a window spans
-            at most ``window_pages = ceil((window - 1) / page_size) + 1`` pages; twice that
-            leaves room for pages of finished windows still on loan).
+        exact_pages: window pages; default ``max_seqs * (window_pages + 1)`` (a window
+            spans at most ``window_pages = ceil((window - 1) / page_size) + 1`` pages; the
+            extra page per sequence leaves room for sequences that start pages out of step).
+            A chunked prefill of a long prompt also borrows pages for its earlier chunks,
+            which the ring takes back first: more pages keep other windows whole through it.
         sink_slots: sink entries; default ``2 * max_seqs``.
 
     Returns:
@@ -213,7 +215,7 @@ def init_pool(
     Examples:
         >>> pool = init_pool(64, 16, 2, 64, window=32, sinks=4, max_seqs=2)
         >>> pool.k_codes.shape, pool.exact_k.shape, pool.sink_k.shape
-        ((64, 16, 2, 32), (12, 16, 2, 64), (4, 4, 2, 64))
+        ((64, 16, 2, 32), (8, 16, 2, 64), (4, 4, 2, 64))
     """
     num_pages = _state.positive_int(num_pages, "num_pages", "pages in the pool the engine's page indices address.")
     page_size = _state.power_of_two(page_size, "page_size", "tokens per page; attention's blocks tile pages.")
@@ -233,7 +235,7 @@ def init_pool(
     max_seqs = _state.positive_int(max_seqs, "max_seqs", MAX_SEQS_WHY)
     window_pages = -(-(window - 1) // page_size) + 1 if window else 0
     if exact_pages is None:
-        exact_pages = 2 * max_seqs * window_pages
+        exact_pages = max_seqs * (window_pages + 1)
     elif window:
         exact_pages = _state.positive_int(exact_pages, "exact_pages", "window pages lent to pool pages.")
     if sink_slots is None:
