@@ -41,7 +41,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tq_jax import codec as _codec
 from tq_jax import wire as _wire
 from tq_jax.kvcache import state as _state
 from tq_jax.kvcache import write as _write
@@ -49,7 +48,7 @@ from tq_jax.kvcache import write as _write
 if TYPE_CHECKING:  # annotations only; jaxtyping is not a runtime dependency
     from jaxtyping import Array, Bool, Float, Int32, UInt8
 
-__all__ = ["PoolConfig", "Pool", "init_pool", "write", "nbytes", "DEFAULT_MAX_SEQS", "NORM_OVERFLOW"]
+__all__ = ["PoolConfig", "Pool", "init_pool", "write", "nbytes", "window_pages", "DEFAULT_MAX_SEQS", "NORM_OVERFLOW"]
 
 DEFAULT_MAX_SEQS = 16  # the exact pools' default room: this many sequences at once
 NORM_OVERFLOW = (
@@ -63,8 +62,13 @@ MAX_SEQS_WHY = "the most sequences whose exact window and sinks the pool keeps a
 # --------------------------------------------------------------------------- state
 
 
+def window_pages(window: int, page_size: int) -> int:
+    """Pages the last ``window`` positions of a sequence span at most (0 without a window)."""
+    return -(-(window - 1) // page_size) + 1 if window else 0
+
+
 @dataclasses.dataclass(frozen=True)
-class PoolConfig:
+class PoolConfig(_state.Codecs):
     """Everything static about a pool (pytree aux data; plain hashable scalars).
 
     Attributes:
@@ -94,17 +98,9 @@ class PoolConfig:
     sink_slots: int
 
     @property
-    def key_codec(self) -> _codec.CodecConfig:
-        return _codec.CodecConfig(self.head_dim, self.key_bits, self.seed, self.rotation)
-
-    @property
-    def value_codec(self) -> _codec.CodecConfig:
-        return _codec.CodecConfig(self.head_dim, self.value_bits, self.seed, self.rotation)
-
-    @property
     def window_pages(self) -> int:
         """Pages the last ``window`` positions of a sequence span at most."""
-        return -(-(self.window - 1) // self.page_size) + 1 if self.window else 0
+        return window_pages(self.window, self.page_size)
 
     def view(self, batch: int, pages_per_seq: int, block_tokens: int) -> _state.CacheConfig:
         """The :class:`~tq_jax.kvcache.CacheConfig` of ``batch`` rows (query tiles) over this
@@ -233,9 +229,8 @@ def init_pool(
              else _state.token_count(sinks, "sinks", page_size, _state.SINKS_WHY + " A pool keeps them in a "
                                      "sequence's first page, so at most page_size."))
     max_seqs = _state.positive_int(max_seqs, "max_seqs", MAX_SEQS_WHY)
-    window_pages = -(-(window - 1) // page_size) + 1 if window else 0
     if exact_pages is None:
-        exact_pages = max_seqs * (window_pages + 1)
+        exact_pages = max_seqs * (window_pages(window, page_size) + 1)
     elif window:
         exact_pages = _state.positive_int(exact_pages, "exact_pages", "window pages lent to pool pages.")
     if sink_slots is None:
