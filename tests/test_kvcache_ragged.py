@@ -142,6 +142,7 @@ def test_sliding_window_and_sm_scale_on_the_xla_path():
     run_steps(MIXED[:3], sliding_window=5, sm_scale=0.3)
 
 
+@pytest.mark.slow  # jax's reference runs op by op (the same semantics: test_sliding_window_... quick)
 def test_agrees_with_jax_reference_of_the_rpa_argument_form():
     """jax's ``ref_ragged_paged_attention`` over dense pages of the decoded K/V: the same
     reading of kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale and sliding_window."""
@@ -338,6 +339,7 @@ def test_norm_overflow_raises_eagerly(small):
 # --------------------------------------------------------------------------- docs
 
 
+@pytest.mark.slow  # a bfloat16 pool of its own: compiles write and attend again
 def test_the_docs_snippet_runs_and_the_docstring_examples_hold(capsys):
     import doctest
     import os
