@@ -138,8 +138,10 @@ def test_many_sequences_small_pages_gqa4():
     run_steps(steps, page_size=4, group=4, num_pages=96, max_seqs=12, pps=10, window=6, sinks=3, bucket=176)
 
 
-def test_sliding_window_and_sm_scale_on_the_xla_path():
-    run_steps(MIXED[:3], sliding_window=5, sm_scale=0.3)
+@pytest.mark.parametrize("impl", ["xla", pytest.param("pallas_tpu", marks=pytest.mark.slow),
+                                  pytest.param("pallas_gpu", marks=pytest.mark.slow)])
+def test_sliding_window_and_sm_scale(impl):
+    run_steps(MIXED[:3], impl=impl, sliding_window=5, sm_scale=0.3)
 
 
 @pytest.mark.slow  # jax's reference runs op by op (the same semantics: test_sliding_window_... quick)
@@ -322,8 +324,8 @@ def test_write_and_attend_reject_bad_shapes(small):
         ragged.attend(small, np.zeros((1, 3, D), np.float32), *args)
     with pytest.raises(ValueError, match="RPA arguments"):
         ragged.attend(small, np.zeros((1, 2, D), np.float32), args[0], args[1], np.array([0, 1, 1], np.int32), args[3])
-    with pytest.raises(ValueError, match="sliding_window=3 runs on the XLA loop only"):
-        ragged.attend(small, np.zeros((1, 2, D), np.float32), *args, sliding_window=3, impl="pallas_tpu")
+    with pytest.raises(ValueError, match="`sliding_window` must be None or an int >= 1"):
+        ragged.attend(small, np.zeros((1, 2, D), np.float32), *args, sliding_window=0)
     with pytest.raises(ValueError, match="`impl` must be one of"):
         ragged.attend(small, np.zeros((1, 2, D), np.float32), *args, impl="cuda")
 

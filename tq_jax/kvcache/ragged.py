@@ -192,9 +192,8 @@ def _attend_impl(pool: Pool, q, kv_lens, page_indices, cu_q_lens, num_seqs, sm_s
     )
     group = q_heads // cfg.kv_heads
     last = jnp.tile(jnp.where(live, pos0[:, None] + rows[None, :], -1), (1, group))  # row g*q_block + i
-    first = None if sliding_window is None else last - (sliding_window - 1)
     query = _scoring.query(view, q_tiles)._replace(
-        hi=jnp.where(count > 0, hi[seq], 0), sink_lo=sink_lo[seq], last=last, first=first)
+        hi=jnp.where(count > 0, hi[seq], 0), sink_lo=sink_lo[seq], last=last, sliding_window=sliding_window)
     if impl == "pallas_gpu":
         from tq_jax.kvcache import pallas_gpu  # Pallas loads only when asked for
 
@@ -208,7 +207,7 @@ def _attend_impl(pool: Pool, q, kv_lens, page_indices, cu_q_lens, num_seqs, sm_s
     exact = None
     if cfg.window or cfg.sinks:
         k, v, pos, valid = _exact_tokens(pool, seq, kv_len, query.hi, sink_lo, entry, col0, wpages)
-        exact = _exact.dense(q_tiles, k, v, pos, valid, last, first)
+        exact = _exact.dense(q_tiles, k, v, pos, valid, last, sliding_window)
     out = _scoring.finish(view, q_tiles, acc, l, m, exact)  # [N, q_block, q_heads, D]
     dest = jnp.where(live, start[:, None] + rows[None, :], n_tok)  # rows past the batch: dropped
     return jnp.zeros((n_tok, q_heads, dim), out_dtype).at[dest].set(out.astype(out_dtype), mode="drop")
@@ -243,7 +242,7 @@ def attend(pool: Pool, q, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scal
             sliding_window + 1``; None: no such bound.
         impl: ``"auto"`` (the GPU kernel on a GPU, else the XLA loop:
             :func:`tq_jax.kvcache.attention.resolve_impl`), ``"xla"``, ``"pallas_gpu"``,
-            ``"pallas_tpu"`` or ``"pallas"``. The Pallas kernels do not take a sliding window.
+            ``"pallas_tpu"`` or ``"pallas"``.
         q_block: queries per tile (a power of two, at most ``MAX_Q_BLOCK``); default the
             power of two at or below ``T / max_seqs`` (1 for a decode batch).
         block_tokens: tokens per step of the coded loop; default
@@ -255,8 +254,7 @@ def attend(pool: Pool, q, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scal
         ``cu_q_lens[num_seqs]``) and queries that see no token are zeros.
 
     Raises:
-        ValueError: shapes that do not fit the pool or each other, an unknown ``impl``,
-            a sliding window with a Pallas kernel.
+        ValueError: shapes that do not fit the pool or each other, an unknown ``impl``.
     """
     cfg = pool.config
     if impl not in IMPLS:
@@ -292,11 +290,6 @@ def attend(pool: Pool, q, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scal
     else:
         q_block = _state.power_of_two(q_block, "q_block", "queries per tile of one sequence.")
     resolved = _attention.resolve_impl(_ConfigOnly(cfg.view(1, 1, 16)), impl)
-    if sliding_window is not None and resolved != "xla":
-        raise ValueError(
-            f"sliding_window={sliding_window} runs on the XLA loop only; impl={impl!r} resolved to {resolved!r}, "
-            f"whose kernel bounds each query's tokens from above only: pass impl='xla'."
-        )
     if tuning is not None and resolved != "pallas_gpu":
         raise ValueError(f"`tuning` is the GPU kernel's (impl='pallas_gpu'), got it with impl={impl!r} ({resolved!r}).")
     if n_tok == 0:
