@@ -357,3 +357,47 @@ def test_the_docs_snippet_runs_and_the_docstring_examples_hold(capsys):
     exec(compile(code, "docs/kvcache.md", "exec"), {})
     assert capsys.readouterr().out.strip() == "(25, 6, 64) float32"
     assert doctest.testmod(pool_module).failed == 0
+
+
+@pytest.mark.slow  # a fresh process with 4 forced host devices (seconds)
+def test_shard_map_over_kv_heads_on_four_devices_matches_one_device():
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import Mesh, PartitionSpec as P
+        from tq_jax.kvcache import ragged
+        assert len(jax.devices()) == 4
+        rng = np.random.default_rng(6)
+        pool = ragged.init_pool(16, 8, 8, 64, dtype=jnp.float32, window=8, sinks=2, max_seqs=2)
+        k = rng.standard_normal((20, 8, 64)).astype(np.float32)
+        v = rng.standard_normal((20, 8, 64)).astype(np.float32)
+        pos = np.r_[np.arange(13), np.arange(7)].astype(np.int32)
+        pages = np.array([[3, 9, 0], [12, 0, 0]], np.int32)
+        slots = np.r_[pages[0, pos[:13] // 8] * 8 + pos[:13] % 8, pages[1, pos[13:] // 8] * 8 + pos[13:] % 8].astype(np.int32)
+        q = rng.standard_normal((20, 16, 64)).astype(np.float32)
+        args = (np.array([13, 7], np.int32), pages, np.array([0, 13, 20], np.int32), np.array([2], np.int32))
+        mesh = Mesh(np.array(jax.devices()), ("h",))
+        heads = P(None, None, "h")
+        spec = ragged.Pool(config=pool.config, k_codes=heads, k_norms=heads, v_codes=heads, v_norms=heads,
+                           exact_k=heads, exact_v=heads, exact_valid=P(), exact_of=P(), exact_owner=P(),
+                           exact_next=P(), sink_k=heads, sink_v=heads, sink_valid=P(), sink_of=P(), sink_owner=P())
+        kv = P(None, "h")
+        wr = jax.jit(jax.shard_map(lambda p, k, v, s, ps: ragged.write(p, k, v, s, positions=ps), mesh=mesh,
+                                   in_specs=(spec, kv, kv, P(), P()), out_specs=spec))
+        at = jax.jit(jax.shard_map(ragged.attend, mesh=mesh, in_specs=(spec, kv, P(), P(), P(), P()), out_specs=kv))
+        sharded = wr(pool, k, v, slots, pos)
+        one = ragged.write(pool, k, v, slots, positions=pos)
+        np.testing.assert_array_equal(np.asarray(sharded.k_codes), np.asarray(one.k_codes))
+        np.testing.assert_allclose(np.asarray(at(sharded, q, *args)), np.asarray(ragged.attend(one, q, *args)),
+                                   rtol=1e-6, atol=1e-6)
+        print("ok")
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]

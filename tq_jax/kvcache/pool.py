@@ -418,9 +418,10 @@ def write(pool: Pool, k, v, slot_mapping, *, positions=None) -> Pool:
     cfg = pool.config
     k = jnp.asarray(k) if not isinstance(k, jax.Array) else k
     v = jnp.asarray(v) if not isinstance(v, jax.Array) else v
-    want = f"[T, kv_heads={cfg.kv_heads}, head_dim={cfg.head_dim}]"
+    heads = pool.k_codes.shape[2]  # local heads under shard_map
+    want = f"[T, kv_heads={heads}, head_dim={cfg.head_dim}]"
     for name, x in (("k", k), ("v", v)):
-        if x.ndim != 3 or x.shape[1:] != (cfg.kv_heads, cfg.head_dim):
+        if x.ndim != 3 or x.shape[1:] != (heads, cfg.head_dim):
             raise ValueError(f"`{name}` must be {want}, got shape {tuple(x.shape)}: one row per new token (flat over "
                              f"sequences), the pool's kv_heads and head_dim on the last two axes.")
         if not jnp.issubdtype(x.dtype, jnp.floating):

@@ -152,8 +152,8 @@ def _exact_tokens(pool: Pool, seq, kv_len, hi, sink_lo, entry, col0, wpages):
     if cfg.window:
         n, ps = seq.shape[0], cfg.page_size
         e = wpages[seq]  # [N, nw]
-        ks.append(pool.exact_k[e].reshape(n, -1, cfg.kv_heads, cfg.head_dim))
-        vs.append(pool.exact_v[e].reshape(n, -1, cfg.kv_heads, cfg.head_dim))
+        ks.append(pool.exact_k[e].reshape(n, -1, *pool.exact_k.shape[2:]))
+        vs.append(pool.exact_v[e].reshape(n, -1, *pool.exact_v.shape[2:]))
         cols = col0[seq][:, None] + jnp.arange(cfg.window_pages, dtype=jnp.int32)[None, :]
         pos = (cols[:, :, None] * ps + jnp.arange(ps, dtype=jnp.int32)).reshape(n, -1)
         poss.append(pos)
@@ -183,14 +183,15 @@ def _attend_impl(pool: Pool, q, kv_lens, page_indices, cu_q_lens, num_seqs, sm_s
 
     hi, sink_lo, entry, col0, wpages = _exact_bounds(pool, kv_lens, pages)
     view_cfg = cfg.view(n_tiles, pps, block_tokens)
-    none = jnp.zeros((n_tiles, 0, cfg.kv_heads, dim), jnp.dtype(cfg.dtype))
+    heads = pool.k_codes.shape[2]  # local heads under shard_map
+    none = jnp.zeros((n_tiles, 0, heads, dim), jnp.dtype(cfg.dtype))
     view = _state.KVCache(
         config=view_cfg, k_codes=pool.k_codes, k_norms=pool.k_norms, v_codes=pool.v_codes, v_norms=pool.v_norms,
         lengths=jnp.where(count > 0, pos0 + q_block, 0), page_table=pages[seq], next_page=jnp.zeros((), jnp.int32),
-        overflow=jnp.zeros((0, cfg.kv_heads), jnp.bool_), k_window=none, v_window=none, k_sinks=none, v_sinks=none,
+        overflow=jnp.zeros((0, heads), jnp.bool_), k_window=none, v_window=none, k_sinks=none, v_sinks=none,
         exact_from=jnp.zeros((n_tiles,), jnp.int32),
     )
-    group = q_heads // cfg.kv_heads
+    group = q_heads // heads
     last = jnp.tile(jnp.where(live, pos0[:, None] + rows[None, :], -1), (1, group))  # row g*q_block + i
     query = _scoring.query(view, q_tiles)._replace(
         hi=jnp.where(count > 0, hi[seq], 0), sink_lo=sink_lo[seq], last=last, sliding_window=sliding_window)
@@ -260,9 +261,10 @@ def attend(pool: Pool, q, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scal
     if impl not in IMPLS:
         raise ValueError(f"`impl` must be one of {IMPLS}, got {impl!r}: the XLA loop, or a Pallas kernel.")
     q = jnp.asarray(q) if not isinstance(q, jax.Array) else q
-    if q.ndim != 3 or q.shape[2] != cfg.head_dim or q.shape[1] % cfg.kv_heads:
+    heads = pool.k_codes.shape[2]  # local heads under shard_map
+    if q.ndim != 3 or q.shape[2] != cfg.head_dim or q.shape[1] % heads:
         raise ValueError(
-            f"`q` must be [T, q_heads, head_dim={cfg.head_dim}] with q_heads a multiple of kv_heads={cfg.kv_heads}, "
+            f"`q` must be [T, q_heads, head_dim={cfg.head_dim}] with q_heads a multiple of kv_heads={heads}, "
             f"got shape {tuple(q.shape)}: one row per query token, flat over sequences (grouped-query attention "
             f"maps q_heads // kv_heads query heads to each KV head)."
         )
@@ -295,7 +297,7 @@ def attend(pool: Pool, q, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scal
     if n_tok == 0:
         return jnp.zeros(q.shape, q.dtype)
     n_tiles = min(n_tok, -(-n_tok // q_block) + n_seq)
-    block = block_tokens or _state.default_block_tokens(n_tiles, cfg.kv_heads, cfg.head_dim)
+    block = block_tokens or _state.default_block_tokens(n_tiles, heads, cfg.head_dim)
     block = _state.power_of_two(block, "block_tokens", "tokens per step of the coded loop.")
     interp = interpret(resolved)
     if resolved == "pallas_gpu" and not interp:
