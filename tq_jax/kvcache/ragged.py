@@ -162,7 +162,7 @@ def _exact_tokens(pool: Pool, seq, kv_len, hi, sink_lo, entry, col0, wpages):
     return cat(ks), cat(vs), cat(poss), cat(valids)
 
 
-def _attend_impl(pool: Pool, q, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale, *, impl: str, interpret: bool,
+def _attend_impl(pool: Pool, q, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale, *, impl: str, interpret,
                  q_block: int, block_tokens: int, sliding_window: int | None, tuning=None):
     cfg = pool.config
     n_tok, q_heads, dim = q.shape
@@ -185,6 +185,8 @@ def _attend_impl(pool: Pool, q, kv_lens, page_indices, cu_q_lens, num_seqs, sm_s
     view_cfg = cfg.view(n_tiles, pps, block_tokens)
     heads = pool.k_codes.shape[2]  # local heads under shard_map
     none = jnp.zeros((n_tiles, 0, heads, dim), jnp.dtype(cfg.dtype))
+    # the tiles as the batch rows of a KVCache over the pool: row r of tile j sits at
+    # lengths[j] - q_block + r (what pallas_tpu derives; the others read query.last)
     view = _state.KVCache(
         config=view_cfg, k_codes=pool.k_codes, k_norms=pool.k_norms, v_codes=pool.v_codes, v_norms=pool.v_norms,
         lengths=jnp.where(count > 0, pos0 + q_block, 0), page_table=pages[seq], next_page=jnp.zeros((), jnp.int32),
