@@ -11,14 +11,20 @@ D = 64  # head_dim of the small caches
 H = 2  # kv_heads
 
 
-def dense_attention(q, k, v):
-    """Causal softmax attention, float64: q [Q, Hq, D] are the last Q positions of k/v [T, H, D]."""
+def dense_attention(q, k, v, sliding_window=None, scale=None):
+    """Causal softmax attention, float64: q [Q, Hq, D] are the last Q positions of k/v [T, H, D].
+    With ``sliding_window`` W a query at position p sees positions p-W+1..p; ``scale``
+    defaults to 1/sqrt(D)."""
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
     n_q, q_heads, dim = q.shape
     t, heads = k.shape[:2]
     g = q_heads // heads
-    s = np.einsum("qhgd,thd->hgqt", q.reshape(n_q, heads, g, dim), k) / np.sqrt(dim)
-    allowed = np.arange(t)[None, :] <= (t - n_q + np.arange(n_q))[:, None]  # [Q, T]
+    scale = 1 / np.sqrt(dim) if scale is None else scale
+    s = np.einsum("qhgd,thd->hgqt", q.reshape(n_q, heads, g, dim), k) * scale
+    qpos = (t - n_q + np.arange(n_q))[:, None]
+    allowed = np.arange(t)[None, :] <= qpos  # [Q, T]
+    if sliding_window is not None:
+        allowed &= np.arange(t)[None, :] > qpos - sliding_window
     s = np.where(allowed, s, -np.inf)
     top = np.max(s, axis=-1, keepdims=True)
     p = np.where(allowed, np.exp(s - np.where(np.isfinite(top), top, 0)), 0)

@@ -22,7 +22,7 @@ from jax import lax
 from tq_jax.kvcache import scoring as _scoring
 from tq_jax.kvcache.state import KVCache
 
-__all__ = ["partial", "positions", "finish"]
+__all__ = ["partial", "positions", "finish", "dense"]
 
 _HI = lax.Precision.HIGHEST
 
@@ -44,24 +44,37 @@ def positions(cache: KVCache):
     return jnp.concatenate([sink, ring], axis=1), jnp.concatenate([sink_valid, ring_valid], axis=1)
 
 
-def partial(cache: KVCache, q, query: _scoring.Query):
-    """``(m, l, acc)`` ``[B, H, R(, D)]`` of a softmax over the exact tokens each row
-    sees, ``acc`` in natural order; rows as in :class:`~tq_jax.kvcache.scoring.Query`."""
+def dense(q, k, v, pos, valid, last, sliding_window=None):
+    """``(m, l, acc)`` ``[B, H, R(, D)]``: a float32 softmax of ``q`` ``[B, Q, q_heads, D]``
+    over exact tokens ``k``/``v`` ``[B, T, H, D]`` (any float dtype), rows as in
+    :class:`~tq_jax.kvcache.scoring.Query` (row ``g*Q + i``: query head ``h*G + g``,
+    query ``i``). Token ``t`` counts for row ``r`` iff ``valid[b, t]`` and ``pos[b, t] <=
+    last[b, r]``, and, with a ``sliding_window`` ``W``, ``pos[b, t] > last[b, r] - W``; ``acc`` is in natural
+    order, and ``v`` of a slot that does not count is never read (it may hold anything)."""
     batch, q_len, q_heads, dim = q.shape
-    heads = cache.k_codes.shape[2]
+    heads = k.shape[2]
     group = q_heads // heads
     qn = q.astype(jnp.float32).reshape(batch, q_len, heads, group, dim) * np.float32(1.0 / math.sqrt(dim))
     qn = qn.transpose(0, 2, 3, 1, 4).reshape(batch, heads, group * q_len, dim)
-    k = jnp.concatenate([cache.k_sinks, cache.k_window], axis=1).astype(jnp.float32)  # [B, T, H, D]
-    v = jnp.concatenate([cache.v_sinks, cache.v_window], axis=1).astype(jnp.float32)
-    pos, valid = positions(cache)
-    s = jnp.einsum("bhrd,bthd->bhrt", qn, k, precision=_HI)
-    mask = (valid[:, None, :] & (pos[:, None, :] <= query.last[:, :, None]))[:, None]  # [B, 1, R, T]
+    s = jnp.einsum("bhrd,bthd->bhrt", qn, k.astype(jnp.float32), precision=_HI)
+    mask = valid[:, None, :] & (pos[:, None, :] <= last[:, :, None])  # [B, R, T]
+    if sliding_window:
+        mask &= pos[:, None, :] > last[:, :, None] - sliding_window
+    mask = mask[:, None]  # [B, 1, R, T]
     s = jnp.where(mask, s, -jnp.inf)
     m = jnp.max(s, axis=-1)
     p = jnp.where(mask, jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m)[..., None]), 0.0)
-    v = jnp.where(valid[:, :, None, None], v, 0.0)  # slots never written may hold anything
+    v = jnp.where(valid[:, :, None, None], v.astype(jnp.float32), 0.0)  # slots never written may hold anything
     return m, jnp.sum(p, axis=-1), jnp.einsum("bhrt,bthd->bhrd", p, v, precision=_HI)
+
+
+def partial(cache: KVCache, q, query: _scoring.Query):
+    """``(m, l, acc)`` ``[B, H, R(, D)]`` of a softmax over the exact tokens each row
+    sees, ``acc`` in natural order; rows as in :class:`~tq_jax.kvcache.scoring.Query`."""
+    k = jnp.concatenate([cache.k_sinks, cache.k_window], axis=1)  # [B, T, H, D]
+    v = jnp.concatenate([cache.v_sinks, cache.v_window], axis=1)
+    pos, valid = positions(cache)
+    return dense(q, k, v, pos, valid, query.last, query.sliding_window)
 
 
 def finish(cache: KVCache, q, query: _scoring.Query, m, l, acc):

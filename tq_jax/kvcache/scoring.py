@@ -84,8 +84,9 @@ class Query(NamedTuple):
     order, and which tokens each row may score from codes.
 
     Token ``t`` of sequence ``b`` is read from codes by row ``r`` iff ``t <= last[b, r]``
-    (causal), ``t < hi[b]`` (older than the exact window) and ``t < sink_lo[b] or
-    t >= sinks`` (not an exact sink); the rest of what a row sees is exact
+    (causal), ``t < hi[b]`` (older than the exact window), ``t < sink_lo[b] or
+    t >= sinks`` (not an exact sink) and, with a ``sliding_window`` ``W``, ``t > last[b, r]
+    - W``; the rest of what a row sees is exact
     (:mod:`tq_jax.kvcache.exact`).
     """
 
@@ -96,6 +97,7 @@ class Query(NamedTuple):
     sink_lo: "Int32[Array, ' B']"  # sinks from here up to config.sinks are exact
     sinks: int  # config.sinks
     q_len: int  # queries per sequence
+    sliding_window: int | None = None  # a row sees no position at or below last - sliding_window
 
 
 def coded_end(cache: KVCache):
@@ -130,14 +132,14 @@ def coded_mask(query: Query, tok, b=None):
     ``[B, R, T]`` (or, with ``b`` a sequence index, ``[R, T]``)."""
     sel = (lambda a: a[b]) if b is not None else (lambda a: a)
     last, hi, lo = sel(query.last), sel(query.hi), sel(query.sink_lo)
+    rows = (lambda a: a[:, :, None]) if b is None else (lambda a: a[:, None])
     if b is None:
         hi, lo = hi[:, None, None], lo[:, None, None]
-        last = last[:, :, None]
-    else:
-        last = last[:, None]
-    mask = (tok <= last) & (tok < hi)
+    mask = (tok <= rows(last)) & (tok < hi)
     if query.sinks:
         mask &= (tok < lo) | (tok >= query.sinks)
+    if query.sliding_window:
+        mask &= tok > rows(last) - query.sliding_window
     return mask
 
 

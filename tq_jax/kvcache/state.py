@@ -22,9 +22,10 @@ from tq_jax import wire as _wire
 if TYPE_CHECKING:  # annotations only; jaxtyping is not a runtime dependency
     from jaxtyping import Array, Float, Int32, UInt8
 
-__all__ = ["CacheConfig", "KVCache", "init", "nbytes", "BLOCK_BYTES", "BLOCK_TOKENS", "MIN_BLOCK_TOKENS",
+__all__ = ["CacheConfig", "Codecs", "KVCache", "init", "nbytes", "BLOCK_BYTES", "BLOCK_TOKENS", "MIN_BLOCK_TOKENS",
            "DEFAULT_WINDOW", "DEFAULT_SINKS", "LOW_BITS_WINDOW",
-           "default_window", "positive_int"]
+           "default_window", "default_block_tokens", "positive_int", "power_of_two", "token_count", "resolve_options",
+           "check_layout", "WINDOW_WHY", "SINKS_WHY"]
 
 # attend's default block: the power of two of tokens whose dequantized keys (batch x kv_heads
 # x block x head_dim float32) fill about BLOCK_BYTES (a CPU core's L2), at most BLOCK_TOKENS
@@ -60,8 +61,22 @@ def default_window(key_bits: int, value_bits: int) -> int:
 SINKS_WHY = "the first tokens of each sequence that attend reads exactly; at most max_len."
 
 
+class Codecs:
+    """The codec configs of a cache's keys and values, for any config with ``head_dim``,
+    ``key_bits``, ``value_bits``, ``seed`` and ``rotation`` (:class:`CacheConfig`,
+    :class:`tq_jax.kvcache.pool.PoolConfig`)."""
+
+    @property
+    def key_codec(self) -> _codec.CodecConfig:
+        return _codec.CodecConfig(self.head_dim, self.key_bits, self.seed, self.rotation)
+
+    @property
+    def value_codec(self) -> _codec.CodecConfig:
+        return _codec.CodecConfig(self.head_dim, self.value_bits, self.seed, self.rotation)
+
+
 @dataclasses.dataclass(frozen=True)
-class CacheConfig:
+class CacheConfig(Codecs):
     """Everything static about a cache: plain hashable scalars (pytree aux data).
 
     Attributes:
@@ -114,14 +129,6 @@ class CacheConfig:
     def pages_per_seq(self) -> int:
         """Columns of the page table: pages one sequence may own."""
         return -(-self.max_len // self.page_tokens)
-
-    @property
-    def key_codec(self) -> _codec.CodecConfig:
-        return _codec.CodecConfig(self.head_dim, self.key_bits, self.seed, self.rotation)
-
-    @property
-    def value_codec(self) -> _codec.CodecConfig:
-        return _codec.CodecConfig(self.head_dim, self.value_bits, self.seed, self.rotation)
 
     @property
     def exact(self) -> bool:
@@ -188,7 +195,7 @@ def positive_int(value, name: str, why: str) -> int:
     return int(value)
 
 
-def _power_of_two(value, name: str, why: str) -> int:
+def power_of_two(value, name: str, why: str) -> int:
     value = positive_int(value, name, why)
     if value & (value - 1):
         raise ValueError(f"`{name}` must be a power of two, got {value}: {why}")
@@ -199,7 +206,7 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _resolve_options(options, overrides: dict) -> _options.Options:
+def resolve_options(options, overrides: dict) -> _options.Options:
     """The cache's codec settings as one validated :class:`tq_jax.Options`."""
     given = {k: v for k, v in overrides.items() if v is not None}
     # The settings front door every API shares (validated by Options, with its messages);
@@ -212,6 +219,46 @@ def _resolve_options(options, overrides: dict) -> _options.Options:
             f"it (a dense cache for that layer), or drop the raw-layer settings."
         )
     return opts
+
+
+def default_block_tokens(batch: int, kv_heads: int, head_dim: int) -> int:
+    """Tokens per step of attention's online softmax when none is asked for: the power of
+    two whose float32 keys, ``batch * kv_heads * block * head_dim * 4`` bytes, fill about
+    :data:`BLOCK_BYTES`, within ``MIN_BLOCK_TOKENS..BLOCK_TOKENS``."""
+    per_token = batch * kv_heads * head_dim * 4  # bytes of one token's float32 keys, all sequences and heads
+    fit = 1 << max(BLOCK_BYTES // per_token, 1).bit_length() - 1
+    return min(max(fit, MIN_BLOCK_TOKENS), BLOCK_TOKENS)
+
+
+def check_layout(head_dim: int, opts: _options.Options, dtype) -> str:
+    """Check that ``head_dim`` vectors of ``opts``' widths and rotation can be stored as
+    byte-aligned code rows, and that ``dtype`` is a K/V dtype; returns the dtype's name.
+
+    Raises:
+        ValueError: rows that do not pack into whole bytes, a dense rotation beyond what
+            TQ01 readers accept, or an unsupported dtype.
+    """
+    for name, bits in (("key_bits", opts.key_bits), ("value_bits", opts.value_bits)):
+        g = _packing.plane_count(int(bits))
+        if head_dim % g:
+            raise ValueError(
+                f"head_dim={head_dim} at {name}={bits} packs into {head_dim * bits} bits, not whole bytes: "
+                f"the cache stores one byte-aligned row per vector, so head_dim must be a multiple of {g} "
+                f"at {bits} bits (any multiple of 8 works for every width)."
+            )
+    if _wire.dense_dim(head_dim, opts.rotation) > _wire.MAX_DENSE_DIM:
+        raise ValueError(
+            f"head_dim={head_dim} with rotation={opts.rotation!r} needs a dense rotation of side "
+            f"{_wire.dense_dim(head_dim, opts.rotation)}, above the MAX_DENSE_DIM={_wire.MAX_DENSE_DIM} TQ01 "
+            f"readers accept; use rotation='hadamard'."
+        )
+    try:
+        dtype_name = jnp.dtype(dtype).name
+    except TypeError:
+        dtype_name = str(dtype)
+    if dtype_name not in _wire.DTYPES:
+        raise ValueError(f"`dtype` must be one of {_wire.DTYPES}, got {dtype!r}: the K/V dtype a TQ01 blob records.")
+    return dtype_name
 
 
 def init(
@@ -286,37 +333,16 @@ def init(
     max_len = positive_int(max_len, "max_len", "the most tokens one sequence may hold.")
     kv_heads = positive_int(kv_heads, "kv_heads", "the number of key/value heads.")
     head_dim = positive_int(head_dim, "head_dim", "the length of each key/value vector.")
-    opts = _resolve_options(
+    opts = resolve_options(
         options,
         dict(key_bits=key_bits, value_bits=value_bits, rotation=rotation, seed=seed, norm_correction=norm_correction),
     )
-    for name, bits in (("key_bits", opts.key_bits), ("value_bits", opts.value_bits)):
-        g = _packing.plane_count(int(bits))
-        if head_dim % g:
-            raise ValueError(
-                f"head_dim={head_dim} at {name}={bits} packs into {head_dim * bits} bits, not whole bytes: "
-                f"the cache stores one byte-aligned row per vector, so head_dim must be a multiple of {g} "
-                f"at {bits} bits (any multiple of 8 works for every width)."
-            )
-    if _wire.dense_dim(head_dim, opts.rotation) > _wire.MAX_DENSE_DIM:
-        raise ValueError(
-            f"head_dim={head_dim} with rotation={opts.rotation!r} needs a dense rotation of side "
-            f"{_wire.dense_dim(head_dim, opts.rotation)}, above the MAX_DENSE_DIM={_wire.MAX_DENSE_DIM} TQ01 "
-            f"readers accept; use rotation='hadamard'."
-        )
-    window = min(default_window(opts.key_bits, opts.value_bits), max_len) if window is None else _count(window, "window", max_len, WINDOW_WHY)
-    sinks = min(DEFAULT_SINKS, max_len) if sinks is None else _count(sinks, "sinks", max_len, SINKS_WHY)
-    try:
-        dtype_name = jnp.dtype(dtype).name
-    except TypeError:
-        dtype_name = str(dtype)
-    if dtype_name not in _wire.DTYPES:
-        raise ValueError(f"`dtype` must be one of {_wire.DTYPES}, got {dtype!r}: the K/V dtype a TQ01 blob records.")
+    window = min(default_window(opts.key_bits, opts.value_bits), max_len) if window is None else token_count(window, "window", max_len, WINDOW_WHY)
+    sinks = min(DEFAULT_SINKS, max_len) if sinks is None else token_count(sinks, "sinks", max_len, SINKS_WHY)
+    dtype_name = check_layout(head_dim, opts, dtype)
     if block_tokens is not None:
-        block_tokens = _power_of_two(block_tokens, "block_tokens", "tokens per step of attend's online softmax.")
-    per_token = batch * kv_heads * head_dim * 4  # bytes of one token's float32 keys, all sequences and heads
-    fit = 1 << max(BLOCK_BYTES // per_token, 1).bit_length() - 1
-    default_block = min(max(fit, MIN_BLOCK_TOKENS), BLOCK_TOKENS)
+        block_tokens = power_of_two(block_tokens, "block_tokens", "tokens per step of attend's online softmax.")
+    default_block = default_block_tokens(batch, kv_heads, head_dim)
     if page_size is None:
         if num_pages is not None:
             raise ValueError("`num_pages` applies to a paged cache only: pass page_size=... as well, or drop num_pages.")
@@ -324,7 +350,7 @@ def init(
         page_tokens = -(-max_len // block) * block  # capacity, a whole number of blocks
         num_pages = batch
     else:
-        page_size = _power_of_two(page_size, "page_size", "tokens per page of the pool.")
+        page_size = power_of_two(page_size, "page_size", "tokens per page of the pool.")
         page_tokens = page_size
         block = block_tokens or default_block
         if num_pages is None:
@@ -382,7 +408,7 @@ def _empty_leaves(config: CacheConfig) -> dict:
     )
 
 
-def _count(value, name: str, max_len: int, why: str) -> int:
+def token_count(value, name: str, max_len: int, why: str) -> int:
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not 0 <= value <= max_len:
         raise ValueError(f"`{name}` must be an int in 0..max_len={max_len}, got {value!r}: {why}")
     return int(value)

@@ -17,7 +17,7 @@ from tq_jax import wire as _wire
 from tq_jax.kvcache import scoring as _scoring
 from tq_jax.kvcache.state import KVCache
 
-__all__ = ["append", "write_rows", "MAX_LEN_EXCEEDED", "POOL_EXHAUSTED", "NORM_OVERFLOW"]
+__all__ = ["append", "write_rows", "quantize", "MAX_LEN_EXCEEDED", "POOL_EXHAUSTED", "NORM_OVERFLOW"]
 
 # --------------------------------------------------------------------------- messages
 
@@ -96,20 +96,34 @@ def _f16_norms(norms):
     return n16, jnp.isfinite(norms) & jnp.isinf(n16)
 
 
-def _append_impl(cache: KVCache, k, v, new_lengths):
-    cfg = cache.config
-    dt = jnp.dtype(cfg.dtype)
+def quantize(config, k, v):
+    """What the cache stores for new K/V ``[..., head_dim]``: ``(k, v, k_codes, k_norms,
+    v_codes, v_norms, overflow)``, with ``k``/``v`` cast to the cache's dtype (what an
+    exact copy holds), uint8 code rows and float16 norms as :func:`tq_jax.dumps` writes
+    them (``|x| / |c|`` with norm correction), and where a finite norm overflowed float16.
+
+    ``config`` is a :class:`~tq_jax.kvcache.CacheConfig` or any config with its
+    ``dtype``, ``key_codec``, ``value_codec`` and ``norm_correction``
+    (:class:`tq_jax.kvcache.pool.PoolConfig`).
+    """
+    dt = jnp.dtype(config.dtype)
     k = k if k.dtype == dt else k.astype(dt)
     v = v if v.dtype == dt else v.astype(dt)
-    ek = _codec.encode(k, cfg.key_codec)
-    ev = _codec.encode(v, cfg.value_codec)
-    kn, k_over = _f16_norms(_stored_norms(ek, cfg.key_codec, cfg.norm_correction))
-    vn, v_over = _f16_norms(_stored_norms(ev, cfg.value_codec, cfg.norm_correction))
+    ek = _codec.encode(k, config.key_codec)
+    ev = _codec.encode(v, config.value_codec)
+    kn, k_over = _f16_norms(_stored_norms(ek, config.key_codec, config.norm_correction))
+    vn, v_over = _f16_norms(_stored_norms(ev, config.value_codec, config.norm_correction))
+    return k, v, ek.packed, kn, ev.packed, vn, k_over | v_over
+
+
+def _append_impl(cache: KVCache, k, v, new_lengths):
+    k, v, kc, kn, vc, vn, over = quantize(cache.config, k, v)
     batch = k.shape[0]
     counts = jnp.clip(new_lengths, 0, k.shape[1])
     seqs = jnp.arange(batch, dtype=jnp.int32)
     start = cache.lengths
-    new, flagged = write_rows(cache, seqs, start, counts, ek.packed, kn, ev.packed, vn, k_over | v_over)
+    new, flagged = write_rows(cache, seqs, start, counts, kc, kn, vc, vn, over)
+    cfg = cache.config
     if cfg.exact:
         new = _write_exact(new, k, v, start, new.lengths)
     return new, flagged
