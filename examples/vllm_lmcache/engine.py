@@ -40,12 +40,14 @@ class Engine:
         max_model_len: vLLM's context limit.
         kv_cache_gib: host memory vLLM keeps for its own KV cache.
         python: the interpreter with vLLM installed (default: this one).
+        **llm_kwargs: more ``vllm.LLM`` arguments (JSON values), e.g. ``block_size=64``.
     """
 
     def __init__(self, model: str | Path, log_path: str | Path, *, lmcache_port: int | None = None, eager: bool = True,
-                 max_model_len: int = 8192, kv_cache_gib: float = 1.0, python: str | None = None, timeout: float = 600.0) -> None:
+                 max_model_len: int = 8192, kv_cache_gib: float = 1.0, python: str | None = None, timeout: float = 600.0,
+                 **llm_kwargs) -> None:
         self.config = dict(model=str(model), lmcache_port=lmcache_port, eager=eager, max_model_len=max_model_len,
-                           kv_cache_gib=kv_cache_gib)
+                           kv_cache_gib=kv_cache_gib, llm_kwargs=llm_kwargs)
         self.log_path = Path(log_path)
         self.python = python or sys.executable
         self.timeout = timeout
@@ -145,7 +147,7 @@ def _build(cfg: dict):
     return LLM(model=cfg["model"], dtype="bfloat16", max_model_len=cfg["max_model_len"], seed=0,
                enable_prefix_caching=False,  # every prefix comes from LMCache or is computed
                kv_cache_memory_bytes=int(cfg["kv_cache_gib"] * (1 << 30)), enforce_eager=cfg["eager"],
-               **kwargs)
+               **kwargs, **cfg.get("llm_kwargs", {}))
 
 
 def _child() -> None:
