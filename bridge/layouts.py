@@ -233,5 +233,35 @@ def restore_into(y, f: Form, kv_order: bool, out) -> None:
     elif f.layout == "fused":  # one transposed copy straight into the chunk
         layers, tokens, _ = f.shape
         np.copyto(out.reshape(layers, tokens, f.kv[3], 2, f.kv[4]), y.transpose(1, 2, 3, 0, 4), casting="unsafe")
-    else:
+    elif not _restore_cpu_into(y, f, out):
         np.copyto(out, from_stored(y, f, kv_order), casting="unsafe")
+
+
+def _restore_cpu_into(y, f: Form, out) -> bool:
+    """``vllm-cpu``'s K/V order written straight into the chunk's (block, head) regions, one
+    strided copy for the keys and one for the values, when ``2*D`` divides the block or
+    the block divides ``2*D`` (vLLM's CPU blocks of 128 with head sizes 32..256); False
+    otherwise (the caller takes the general path)."""
+    import numpy as np
+
+    layers, tokens, _ = f.shape
+    _, _, blocks, block, heads, d = f.kv
+    half, pair = block // 2, 2 * d
+    region = out.reshape(layers, blocks, block, heads, pair).transpose(0, 1, 3, 2, 4)  # [L, NB, H, block, 2D] view
+    keys, values = region[:, :, :, :half], region[:, :, :, half:]
+    k = y[0]  # [L, NB, block, H, D]: key (t, d) sits at region position d*block + t
+    if block % pair == 0:  # row d*(block/2D) + t // 2D, column t % 2D
+        j = block // pair
+        dst = keys.reshape(layers, blocks, heads, d, j, pair)
+        src = k.reshape(layers, blocks, j, pair, heads, d).transpose(0, 1, 4, 5, 2, 3)
+    elif pair % block == 0:  # row d // (2D/block), column (d % (2D/block))*block + t
+        j = pair // block
+        dst = keys.reshape(layers, blocks, heads, half, j, block)
+        src = k.reshape(layers, blocks, block, heads, half, j).transpose(0, 1, 3, 4, 5, 2)
+    else:
+        return False
+    np.copyto(dst, src, casting="unsafe")
+    # value (t, d) sits at position block*D + t*D + d: row block/2 + t // 2, column (t % 2)*D + d
+    src = y[1].reshape(layers, blocks, half, 2, heads, d).transpose(0, 1, 4, 2, 3, 5)
+    np.copyto(values.reshape(layers, blocks, heads, half, 2, d), src, casting="unsafe")
+    return True

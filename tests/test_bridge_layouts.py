@@ -258,6 +258,7 @@ def test_to_stored_and_back_are_inverse_permutations():
     rng = np.random.default_rng(0)
     for shape, name, block in [((3, 64, 256), "fused", 0), ((3, 64, 256), "vllm-cpu", 16), ((3, 64, 256), "vllm-cpu", 64),
                                ((3, 64, 512), "vllm-cpu", 4), ((3, 64, 128), "vllm-cpu", 32),
+                               ((3, 96, 192), "vllm-cpu", 48),  # neither block nor 2*D divides the other
                                ((2, 3, 64, 128), "split", 0), ((3, 64, 32), "latent", 0)]:
         f = layouts.form(shape, 32, name, block or 128)
         x = rng.standard_normal(shape)
