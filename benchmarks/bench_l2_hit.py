@@ -30,8 +30,9 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey  # noqa: E402
-from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj  # noqa: E402
+from lmcache.v1.memory_management import TensorMemoryObj  # noqa: E402
 
+from benchmarks.bench_lmcache import make_obj  # noqa: E402 (aligned MemoryObjs, as L1 hands them out)
 from tq_jax.bridge import registry  # noqa: E402
 
 CHUNK = (30, 256, 384)  # SmolLM2-135M on vLLM's CPU backend: [L, T, H*2*D], H=3, D=64
@@ -41,15 +42,6 @@ SETTINGS = {
     "turbo-4": {"preset": "turbo-4"},
     "turbo-3.5": {"preset": "turbo-3.5"},
 }
-
-
-def make_obj(shape, dtype, align=4096) -> TensorMemoryObj:
-    shape = torch.Size(shape)
-    n = shape.numel() * dtype.itemsize
-    raw = torch.empty(n + align, dtype=torch.uint8)
-    off = -raw.data_ptr() % align
-    meta = MemoryObjMetadata(shape, dtype, 0, n, 1, shapes=[shape], dtypes=[dtype])
-    return TensorMemoryObj(raw[off : off + n], meta, None)
 
 
 def key(i: int) -> ObjectKey:
