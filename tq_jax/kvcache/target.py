@@ -5,7 +5,7 @@ A Pallas kernel has two forms: the compiled kernel (Mosaic on a TPU, Triton on a
 and the Pallas interpreter, which runs the same kernel body as XLA ops on a CPU (correct
 and slow: for tests). Choosing between them with ``jax.default_backend()`` asks the host,
 so a program exported on a CPU host for a TPU (``jax.export.export(...,
-platforms=["tpu"])``, or a GPU host's ``jit(...).lower(lowering_platforms=("tpu",))``)
+platforms=["tpu"])``, or a GPU host's ``jit(f).trace(...).lower(lowering_platforms=("tpu",))``)
 would carry the interpreter instead of the kernel. :func:`kernel` stages out both forms
 with :func:`jax.lax.platform_dependent`, and lowering keeps the one for the platform it
 lowers for: the interpreter where the program executes on a CPU, the compiled kernel on
@@ -19,7 +19,9 @@ The rule, for every Pallas kernel of :mod:`tq_jax.kvcache` (and any new one)::
     out = target.kernel(lambda interpret: pl.pallas_call(..., interpret=interpret)(...),
                         platforms=("tpu",))
 
-Both forms are traced (each a few tens of milliseconds per new shape); only the one
+:func:`staged` is the same rule for a choice among several kernels (``attend``'s ``impl``:
+the XLA loop on one platform, a Pallas kernel on another), built from :func:`interpret`.
+Every form is traced (each a few tens of milliseconds per new shape); only the one
 lowered is compiled. A kernel that needs another interpreter (``pltpu.InterpretParams``
 for TPU semantics) is called with it directly, as the tests do; this module only
 chooses between "interpreted on a CPU" and "compiled".
