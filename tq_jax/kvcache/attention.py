@@ -45,16 +45,20 @@ def resolve_impl(cache: KVCache, impl: str, platform: str | None = None) -> str:
     benchmarks/results/accelerator_nvidia_h200.md) when ``head_dim`` tiles for Triton and
     this jax has Pallas's Triton backend, else the XLA loop (on a GPU host without the
     backend it warns once); on a TPU it is the XLA loop until a TPU measurement says
-    otherwise (docs/kvcache.md). ``"pallas"`` is the platform's Pallas kernel: the GPU
-    kernel on a GPU, the TPU kernel on a TPU and, interpreted, on a CPU. :func:`attend`
-    resolves ``impl`` for every platform and stages the choices out
+    otherwise (docs/kvcache.md). ``"auto"`` names the GPU kernel only when traced on a
+    GPU host: elsewhere it is the XLA loop for every platform, so a CPU or TPU program
+    never traces the GPU kernel (its Pallas call does not trace under every transform a
+    user applies, e.g. ``shard_map`` with ``check_vma``); name ``"pallas_gpu"`` to export
+    the kernel for a GPU from another host. ``"pallas"`` is the platform's Pallas kernel:
+    the GPU kernel on a GPU, the TPU kernel on a TPU and, interpreted, on a CPU.
+    :func:`attend` resolves ``impl`` for every platform and stages the choices out
     (:func:`tq_jax.kvcache.target.staged`), so a program lowered for a platform holds
     that platform's kernel, whatever the host that traced it."""
     if platform is None:
         platform = jax.default_backend()
     gpu = platform == "gpu" or platform in _target.GPU
     if impl == "auto":
-        if not gpu or not _scoring.lanes_tile(cache.config):
+        if not gpu or jax.default_backend() != "gpu" or not _scoring.lanes_tile(cache.config):
             return "xla"
         if not _triton_available():
             if "no-triton" not in _warned and jax.default_backend() == "gpu":
