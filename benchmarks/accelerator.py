@@ -39,6 +39,12 @@ Steps:
    random (the GGUF cannot travel to a machine without network, and decode speed does
    not depend on the values).
 
+On a TPU the same command runs unchanged: the TPU kernel (``impl="pallas_tpu"``) takes the
+GPU kernel's place in steps 1, 3 and 4 and in ``--compile-check`` (the bf16 mode and the
+tuning sweep are the GPU kernel's and are skipped), the device is named by its product
+(``TPU v5e`` for JAX's ``TPU v5 lite``) and rows give the ideal time at the chip's
+spec-sheet HBM bandwidth (:data:`PEAK_GBS`) beside the measured copy (docs/tpu.md).
+
 Timing: ``block_until_ready``, the first call (compile) excluded, median of ``--reps``.
 """
 
@@ -148,6 +154,46 @@ def interpret() -> bool:
     return jax.default_backend() == "cpu"
 
 
+def on_tpu() -> bool:
+    return jax.default_backend() == "tpu"
+
+
+def kernel_impl() -> str:
+    """The Pallas kernel this run times: the TPU kernel on a TPU, else the GPU kernel (run
+    by the Pallas interpreter on a CPU)."""
+    return "pallas_tpu" if on_tpu() else "pallas_gpu"
+
+
+# Spec-sheet HBM bandwidth per chip, GB/s (10**9 B/s), by device_kind: the yardstick an
+# ideal memory-bound step is measured against (the measured device copy is the other).
+PEAK_GBS = {
+    "TPU v4": 1200, "TPU v5 lite": 819, "TPU v5e": 819, "TPU v5p": 2765, "TPU v5": 2765,
+    "TPU v6 lite": 1640, "TPU v6e": 1640, "TPU7x": 7380,
+    "NVIDIA A100-SXM4-40GB": 1555, "NVIDIA A100-SXM4-80GB": 2039, "NVIDIA H100 80GB HBM3": 3350,
+    "NVIDIA H100 PCIe": 2000, "NVIDIA H200": 4800, "NVIDIA GH200 480GB": 4000, "NVIDIA B200": 8000,
+}
+TPU_NAMES = {"TPU v5 lite": "TPU v5e", "TPU v6 lite": "TPU v6e", "TPU v5": "TPU v5p"}  # device_kind -> product name
+
+
+def device_label(dev) -> str:
+    """``dev.device_kind``, with the product name where JAX reports another (``TPU v5
+    lite`` is sold as v5e)."""
+    kind = dev.device_kind
+    return f"{TPU_NAMES[kind]} ({kind})" if kind in TPU_NAMES else kind
+
+
+def peak_gbs(dev) -> float | None:
+    """The chip's spec-sheet HBM bandwidth in GB/s, or None for a device not in
+    :data:`PEAK_GBS` (the CPU)."""
+    return PEAK_GBS.get(dev.device_kind)
+
+
+def peak_ms(nbytes: int, dev) -> float | None:
+    """Time to move ``nbytes`` at the chip's spec-sheet bandwidth."""
+    gbs = peak_gbs(dev)
+    return None if gbs is None else nbytes / (gbs * 1e9) * 1e3
+
+
 def gpu_attend(cache, q, tuning=pallas_gpu.DEFAULT_TUNING):
     return _gpu_attend(cache, q, tuning)
 
@@ -155,6 +201,11 @@ def gpu_attend(cache, q, tuning=pallas_gpu.DEFAULT_TUNING):
 @functools.partial(jax.jit, static_argnums=2)
 def _gpu_attend(cache, q, tuning):
     return pallas_gpu.attend(cache, q, interpret=interpret(), tuning=tuning)
+
+
+@jax.jit
+def tpu_attend(cache, q):
+    return kvcache.attend(cache, q, impl="pallas_tpu")
 
 
 def dense_attention(q, k, v):
@@ -237,7 +288,7 @@ def check_kvcache(n_cases: int) -> list:
             kv = np.asarray(tq_jax.loads(blob, dtype=jnp.float32))
             refs.append(dense_attention(q[b], kv[0, 0], kv[1, 0]))
         rows.append((f"{tag}: export == dumps", same, ""))
-        for impl in ("xla", "pallas_gpu"):
+        for impl in ("xla", kernel_impl()):
             out = np.asarray(kvcache.attend(cache, q, impl=impl))
             err = max(rel_err(out[b], refs[b]) for b in range(len(refs)))
             rows.append((f"{tag}: attend impl={impl} == dense f64 over loads(export)", err <= 1e-3, f"max rel err {err:.1e}"))
@@ -306,6 +357,9 @@ def step_codec(dev, sizes: Sizes, table: list):
             plan = tq_plan.for_tensor(shape, "bfloat16", opts)
             block = program.block_vectors(plan, None, dev)
             enc = program.encoder(plan, block, dev, jnp.dtype(jnp.bfloat16))
+            ideal = peak_ms(nbytes + len(blob), dev)
+            if ideal is not None:  # the memory floor of either direction: the tensor and the blob, each moved once
+                row(case, f"ideal: tensor + blob moved once at {peak_gbs(dev):,.0f} GB/s (spec sheet)", ideal)
             ms = median_ms(lambda: enc(xd)[0], sizes.reps)
             row(case, f"device program encode (blob in device memory, block {block})", ms)
             if name == CODEC_OPTIONS[0][0] and shape_name == sizes.codec[-1][0]:  # the block size, swept once
@@ -431,7 +485,11 @@ def bf16_accuracy(sizes: Sizes, table: list):
 
 def step_attend(sizes: Sizes, table: list):
     h, g, d = sizes.kv_heads, sizes.group, sizes.dim
-    bf16_accuracy(sizes, table)
+    dev = jax.devices()[0]
+    if on_tpu():
+        table.append(("3 attend", "bf16 accuracy", "the bf16 mode is the GPU kernel's: not run on a TPU", None, None, None, None))
+    else:
+        bf16_accuracy(sizes, table)
     copy = jax.jit(jnp.copy)
     for b in sizes.batches:
         for t in sizes.tokens:
@@ -444,6 +502,9 @@ def step_attend(sizes: Sizes, table: list):
             vd = jax.random.normal(kv_, (b, t, h, d), jnp.bfloat16)
             copy_ms = median_ms(lambda: copy(kd), sizes.reps) * 2  # K and V
             table.append(("3 attend", case, "copy of the bf16 K/V (device)", copy_ms, gibs(dense_bytes, copy_ms), None, None))
+            if peak_ms(dense_bytes, dev) is not None:
+                table.append(("3 attend", case, f"ideal: the bf16 K/V read once at {peak_gbs(dev):,.0f} GB/s (spec sheet)",
+                              peak_ms(dense_bytes, dev), gibs(dense_bytes, peak_ms(dense_bytes, dev)), None, None))
             dpa_ms = median_ms(lambda: dense_dpa(q, kd, vd), sizes.reps)
             table.append(("3 attend", case, "dense bf16: jax.nn.dot_product_attention", dpa_ms, gibs(dense_bytes, dpa_ms), None, 1.0))
             qh = q.reshape(b, h, g, d)
@@ -455,11 +516,18 @@ def step_attend(sizes: Sizes, table: list):
             for cname, ckw in ATTEND_CACHES:
                 cache = random_cache(key, b, t, h, d, **ckw)
                 cbytes = sum(int(x.size) * x.dtype.itemsize for x in (cache.k_codes, cache.v_codes, cache.k_norms, cache.v_norms))
-                cases = [(f"kvcache pallas_gpu {mode}", lambda tuning=tuning: gpu_attend(cache, q, tuning))
-                         for mode, tuning in KERNEL_MODES]
+                if peak_ms(cbytes, dev) is not None:
+                    table.append(("3 attend", f"{case} {cname}", f"ideal: codes and norms read once at "
+                                  f"{peak_gbs(dev):,.0f} GB/s (spec sheet)", peak_ms(cbytes, dev),
+                                  gibs(cbytes, peak_ms(cbytes, dev)), None, peak_ms(cbytes, dev) / best))
+                if on_tpu():  # the TPU kernel has no tuning knobs yet
+                    cases = [("kvcache pallas_tpu", lambda: tpu_attend(cache, q))]
+                else:
+                    cases = [(f"kvcache pallas_gpu {mode}", lambda tuning=tuning: gpu_attend(cache, q, tuning))
+                             for mode, tuning in KERNEL_MODES]
                 if b == sizes.xla_batch:
                     cases.insert(0, ("kvcache xla", lambda: kvcache.attend(cache, q, impl="xla")))
-                if sizes.variants and t == sizes.tokens[1] and b == sizes.xla_batch:  # the tuning sweep at 32k
+                if sizes.variants and t == sizes.tokens[1] and b == sizes.xla_batch and not on_tpu():  # the GPU sweep at 32k
                     sweep = [("exact", dict(block=128)), ("exact", dict(dot="tf32x3")), ("exact", dict(num_warps=8)),
                              ("bf16", dict(block=64)), ("bf16", dict(block=256)), ("bf16", dict(block=512)),
                              ("bf16", dict(num_warps=8)), ("bf16", dict(block=256, num_warps=8)),
@@ -494,6 +562,17 @@ MODEL_KINDS = [  # (label, cache kind, kvcache.init keywords, attend impl, kerne
     ("tq turbo-3.5, attend impl=pallas_gpu bf16", "tq", ATTEND_CACHES[1][1], "pallas_gpu", pallas_gpu.BF16_TUNING),
     ("tq turbo-3.5, attend impl=pallas_gpu exact", "tq", ATTEND_CACHES[1][1], "pallas_gpu", pallas_gpu.DEFAULT_TUNING),
 ]
+
+
+def model_kinds() -> list:
+    """:data:`MODEL_KINDS` for this backend: on a TPU the TPU kernel stands in for the GPU
+    kernel's two modes (one row per cache)."""
+    if not on_tpu():
+        return MODEL_KINDS
+    kinds = [MODEL_KINDS[0]]
+    for name, ckw in ATTEND_CACHES:
+        kinds.append((f"tq {name}, attend impl=pallas_tpu", "tq", ckw, "pallas_tpu", None))
+    return kinds
 
 
 def model_api():
@@ -585,7 +664,7 @@ def step_model(sizes: Sizes, table: list):
             cap = ctx + steps + 8
             case = f"batch {b}, {ctx} tokens of context"
             base_ms = None
-            for label, kind, ckw, impl, tuning in MODEL_KINDS[: sizes.model_kinds]:
+            for label, kind, ckw, impl, tuning in model_kinds()[: sizes.model_kinds]:
                 keys = jax.random.split(jax.random.key(ctx + b), 2 * cfg.layers)
                 if kind == "bf16":
                     caches = [(jax.random.normal(keys[2 * i], (b, cap, hkv, hd), jnp.bfloat16),
@@ -623,7 +702,8 @@ def step_model(sizes: Sizes, table: list):
 
 
 def compile_check() -> bool:
-    """Compile and run the GPU kernel once per configuration and tuning; compare with XLA."""
+    """Compile and run the backend's kernel once per configuration (and, on a GPU, tuning);
+    compare with XLA."""
     rng = np.random.default_rng(2)
     ok_all = True
     tunings = [("default", pallas_gpu.DEFAULT_TUNING)] + [
@@ -631,6 +711,8 @@ def compile_check() -> bool:
                                                     ("ieee dots", dict(dot="ieee")), ("block 128", dict(block=128)),
                                                     ("8 warps", dict(num_warps=8)), ("3 splits", dict(splits=3)))
     ]
+    if on_tpu():
+        tunings = [("default", None)]
     cases = [(c, tunings if i == 0 else tunings[:1]) for i, c in enumerate(KV_CASES)]
     cases.append((("haar", 4, 4, 3, None, 40, 64), tunings[:1]))  # 120 rows: two row tiles (a prefill)
     for (rot, kb, vb, group, ps, q_len, dim), tuns in cases:
@@ -640,7 +722,7 @@ def compile_check() -> bool:
             tag = f"{rot} {kb}/{vb} gqa{group} {'paged' + str(ps) if ps else 'unpaged'} q{q_len} d{dim}, {name}"
             t0 = time.perf_counter()
             try:
-                out = np.asarray(gpu_attend(cache, q, tun))
+                out = np.asarray(tpu_attend(cache, q) if on_tpu() else gpu_attend(cache, q, tun))
             except Exception as e:
                 ok_all &= name != "default"
                 print(f"  [FAIL] {tag}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
@@ -691,7 +773,7 @@ def main(argv=None) -> int:
     ap.add_argument("--keep-going", action="store_true")
     args = ap.parse_args(argv)
     dev = jax.devices()[0]
-    print(f"jax {jax.__version__} on {dev.device_kind} ({dev.platform}), python {platform.python_version()}", flush=True)
+    print(f"jax {jax.__version__} on {device_label(dev)} ({dev.platform}), python {platform.python_version()}", flush=True)
     if args.compile_check:
         return 0 if compile_check() else 1
     if dev.platform == "cpu" and not args.cpu_smoke:
@@ -720,12 +802,14 @@ def main(argv=None) -> int:
         status = 1
     device = re.sub(r"[^a-z0-9]+", "_", ("cpu_smoke" if args.cpu_smoke else dev.device_kind).lower()).strip("_")
     lines = [
-        f"# Accelerator proof on {dev.device_kind}",
+        f"# Accelerator proof on {device_label(dev)}",
         "",
         f"Command: `python -m benchmarks.accelerator {' '.join(argv if argv is not None else sys.argv[1:])}`  ",
         f"Commit: {commit_of(args.commit)}  ",
         f"jax {jax.__version__}, {dev.platform}, python {platform.python_version()}; "
-        f"{time.perf_counter() - t_start:.0f} s in all. Times: median of {sizes.reps} calls after a warm-up call.",
+        f"{time.perf_counter() - t_start:.0f} s in all. Times: median of {sizes.reps} calls after a warm-up call. "
+        + (f"Spec-sheet HBM bandwidth of this chip: {peak_gbs(dev):,.0f} GB/s." if peak_gbs(dev) else
+           "No spec-sheet HBM bandwidth known for this device (benchmarks/accelerator.py PEAK_GBS)."),
         "",
         "Step 1 (correctness on the device): "
         + (f"{sum(ok for _, ok, _ in checks)} of {len(checks)} checks passed." if checks else "not run.")

@@ -119,7 +119,7 @@ def main():
         lines += [
             "",
             "On the CPU backend device memory is host memory: the round trip costs nothing "
-            "(zero-copy both ways). CPU devices take the host pipeline (`resident.takes`); the "
+            "(zero-copy both ways). CPU devices take the host pipeline (`blob.takes`); the "
             "device-path rows are the accelerator's executors, forced here for comparison.",
         ]
     text = "\n".join(lines) + "\n"

@@ -44,3 +44,25 @@ def test_cpu_smoke_runs_every_step_and_writes_one_table(tmp_path):
     cases = " ".join(r[1] for r in rows)
     for case in ("batch 1, 64 tokens 4/4", "batch 2, 64 tokens turbo-3.5", "batch 2, 8 tokens of context"):
         assert case in cases, case
+
+
+def test_on_a_tpu_the_script_names_the_chip_and_runs_the_tpu_kernel(monkeypatch):
+    """What a TPU changes in the script, decided without one: the product name and the
+    spec-sheet bandwidth of JAX's device kinds, and the TPU kernel in the GPU kernel's place."""
+    import types
+
+    import jax
+
+    from benchmarks import accelerator
+
+    v5e, v6e, v5p = (types.SimpleNamespace(device_kind=k) for k in ("TPU v5 lite", "TPU v6 lite", "TPU v5"))
+    assert [accelerator.device_label(d) for d in (v5e, v6e, v5p)] == [
+        "TPU v5e (TPU v5 lite)", "TPU v6e (TPU v6 lite)", "TPU v5p (TPU v5)"]
+    assert [accelerator.peak_gbs(d) for d in (v5e, v6e, v5p)] == [819, 1640, 2765]
+    assert accelerator.peak_ms(819 * 10**6, v5e) == pytest.approx(1.0)  # 0.819 GB at 819 GB/s: 1 ms
+    assert accelerator.peak_gbs(types.SimpleNamespace(device_kind="cpu")) is None
+    assert accelerator.kernel_impl() == "pallas_gpu" and not accelerator.on_tpu()  # this CPU: the interpreted GPU kernel
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert accelerator.kernel_impl() == "pallas_tpu"
+    impls = [impl for _, kind, _, impl, _ in accelerator.model_kinds() if kind == "tq"]
+    assert impls == ["pallas_tpu"] * len(accelerator.ATTEND_CACHES)

@@ -121,6 +121,25 @@ def test_kernel_lowers_to_triton_ir_for_cuda(kb, vb, rotation, page_size, group,
     assert text.count("xla.gpu.triton") == 1  # one Triton kernel, the rest is XLA
 
 
+def test_attend_exports_for_cuda_with_the_triton_kernel_from_this_cpu_host():
+    """jax.export for platforms=["cuda"] on this CPU host: attend's program holds the Triton
+    kernel (the target's form, not the interpreter) for impl "pallas_gpu" and "pallas";
+    "auto" traced off a GPU host is the XLA loop (resolve_impl). Triton calls are not among
+    export's stable custom calls (their IR is tied to the jax version), so the export names
+    the check it waives."""
+    cache = jax.eval_shape(lambda: kvcache.init(4, 512, 2, 128, key_bits=4, value_bits=3, page_size=16))
+    q = jax.ShapeDtypeStruct((4, 1, 8, 128), jnp.bfloat16)
+    triton = "__gpu$xla.gpu.triton"
+    for impl, kernels in (("pallas_gpu", 1), ("pallas", 1), ("auto", 0)):
+        exported = jax.export.export(
+            jax.jit(lambda c, x, impl=impl: kvcache.attend(c, x, impl=impl)), platforms=["cuda"],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)],
+        )(cache, q)
+        assert exported.mlir_module().count(f"stablehlo.custom_call @{triton}") == kernels, impl
+    loaded = jax.export.deserialize(exported.serialize())
+    assert loaded.platforms == ("cuda",) and loaded.mlir_module() == exported.mlir_module()
+
+
 def test_bad_tuning_and_unsupported_head_dim_are_clear_errors():
     with pytest.raises(ValueError, match="`block` must be a power of two >= 16, got 48"):
         pallas_gpu.Tuning(block=48)

@@ -8,6 +8,8 @@ reference of the RPA argument form (``ref_ragged_paged_attention``); and
 ``tq_jax.kvcache.attend`` over a per-sequence cache holding the same tokens.
 """
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -94,6 +96,26 @@ def reference(eng, new, q, cu, window, sinks, sliding_window=None, scale=None):
     return out
 
 
+@contextlib.contextmanager
+def tpu_semantics(impl):
+    """``impl="pallas_tpu"`` on this CPU runs the TPU kernel in jax's TPU interpreter
+    (``pltpu.InterpretParams()``: TPU memory spaces, DMA and semaphore semantics) instead
+    of the generic Pallas interpreter that ``ragged.forms`` gives a CPU program; the
+    program is then for the CPU alone (the TPU interpreter's effects do not stage out
+    beside the compiled kernel). Other impls: unchanged."""
+    if impl != "pallas_tpu":
+        yield
+        return
+    from jax.experimental.pallas import tpu as pltpu
+
+    forms = ragged.forms
+    ragged.forms = lambda config, impl: (("cpu", ("pallas_tpu", pltpu.InterpretParams())),)
+    try:
+        yield
+    finally:
+        ragged.forms = forms
+
+
 def run_steps(steps, *, impl="xla", window=8, sinks=2, page_size=8, group=2, num_pages=48, max_seqs=4,
               pps=6, options=None, rng_seed=0, sliding_window=None, sm_scale=None, bucket=32, **pool_kw):
     rng = np.random.default_rng(rng_seed)
@@ -102,8 +124,9 @@ def run_steps(steps, *, impl="xla", window=8, sinks=2, page_size=8, group=2, num
     eng = Engine(pool, max_seqs, pps, rng)
     for new in steps:
         q, (kv_lens, table, cu, ns) = eng.step(new, H * group, bucket)
-        out = np.asarray(ragged.attend(eng.pool, q, kv_lens, table, cu, ns, impl=impl,
-                                       sliding_window=sliding_window, sm_scale=sm_scale))
+        with tpu_semantics(impl):
+            out = np.asarray(ragged.attend(eng.pool, q, kv_lens, table, cu, ns, impl=impl,
+                                           sliding_window=sliding_window, sm_scale=sm_scale))
         want = reference(eng, new, q, cu, window, sinks, sliding_window, sm_scale)
         scale = max(np.abs(want).max(), 1.0)
         np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5 * scale)

@@ -126,7 +126,10 @@ def default_device() -> jax.Device:
 
 
 def is_cpu(device) -> bool:
-    """Whether ``device`` (None: JAX's default) is a CPU device."""
+    """Whether ``device`` (None: JAX's default; or a platform name, ``"cpu"``, ``"tpu"``,
+    for a program built to be lowered for that platform) is a CPU device."""
+    if isinstance(device, str):
+        return device == "cpu"
     return (device or default_device()).platform == "cpu"
 
 

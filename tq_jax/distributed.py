@@ -191,8 +191,8 @@ def run_distributed(cluster: Cluster, open_plans: Callable[[], tuple], devices,
 
     def encode():
         os.makedirs(parts_dir, exist_ok=True)
-        for fi, ei, ui, u in mine:
-            data = _batch.produce(sources[fi], u, devices)
+        for turn, (fi, ei, ui, u) in enumerate(mine):
+            data = _batch.produce(sources[fi], u, devices, turn)
             path = _part_path(parts_dir, fi, ei, ui)
             tmp = f"{path}.{cluster.index}.tmp"
             with open(tmp, "wb") as f:

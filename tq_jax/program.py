@@ -63,6 +63,7 @@ __all__ = [
     "encode_into",
     "decode",
     "finish",
+    "export",
 ]
 
 # Coordinates per block on an accelerator: 8 Mi (a 16 MiB bfloat16 block, 32 MiB per
@@ -133,12 +134,31 @@ def _overflow(norms, stats):
     )
 
 
+def _jit(program, device):
+    """``program`` jitted onto ``device``, or, for a platform name, unplaced (to be
+    lowered for that platform: :func:`export`)."""
+    if isinstance(device, str):
+        return jax.jit(program)
+    placed = jax.sharding.SingleDeviceSharding(device)
+    return jax.jit(program, in_shardings=placed, out_shardings=placed)
+
+
+def _tables_device(device):
+    """Where the codec's tables live while a program is traced: ``device``, or JAX's
+    default one for a program built for a platform name (inside the trace the tables
+    are constants either way)."""
+    return None if isinstance(device, str) else device
+
+
 @PROGRAMS.memoize
 def encoder(plan: Plan, block: int, device, dtype):
     """The jitted program ``x`` (the plan's shape, ``dtype``, on ``device``) →
     ``(blob uint8 (plan.nbytes,), (overflow count, largest), (float32 norms of each
-    log-coded segment))``. The blob's CRC32 and norm codes are left zero (:func:`finish`)."""
+    log-coded segment))``. The blob's CRC32 and norm codes are left zero (:func:`finish`).
+    ``device`` may be a platform name (``"tpu"``): the program that platform's devices
+    run, unplaced, for :func:`export`."""
     dim, rows = plan.dim, plan.rows
+    tables_on = _tables_device(device)
     float_norms = plan.norm_dtype is not None
     watch = plan.overflow != "keep"
 
@@ -163,7 +183,7 @@ def encoder(plan: Plan, block: int, device, dtype):
                 # analysis shows it; tests/test_program.py checks the bound).
                 src, j = jax.lax.optimization_barrier((flat, i))
                 xb = jax.lax.dynamic_slice(src, (s.row_start + j * block, 0), (block, dim))
-                stream, norms = _codec.encode_stream(xb, cfg, device)
+                stream, norms = _codec.encode_stream(xb, cfg, tables_on)
                 out = jax.lax.dynamic_update_slice(out, stream.reshape(-1), (s.index_offset + i * step,))
                 if float_norms:
                     nb = _norm_bytes(norms, plan.norm_dtype)
@@ -179,7 +199,7 @@ def encoder(plan: Plan, block: int, device, dtype):
             if tail:
                 start = s.row_start + full * block
                 xb = jnp.pad(flat[start : start + tail], ((0, rows_tail - tail), (0, 0)))
-                stream, norms = _codec.encode_stream(xb, cfg, device)
+                stream, norms = _codec.encode_stream(xb, cfg, tables_on)
                 norms = norms[:tail]
                 used = tail * dim * cfg.bits
                 st = stream.reshape(-1)[: (used + 7) // 8]
@@ -200,8 +220,7 @@ def encoder(plan: Plan, block: int, device, dtype):
             out = jax.lax.dynamic_update_slice(out, part, (r.offset,))
         return out, stats, tuple(coded)
 
-    placed = jax.sharding.SingleDeviceSharding(device)
-    return jax.jit(program, in_shardings=placed, out_shardings=placed)
+    return _jit(program, device)
 
 
 def finish(plan: Plan, out: np.ndarray, coded_norms) -> None:
@@ -270,7 +289,7 @@ def encode_into(plan: Plan, x, out: memoryview, block_vectors_: int | None, devi
 def decoder(plan: Plan, block: int, device, dtype):
     """The jitted program ``(blob uint8 (plan.nbytes,), (float32 norms of each log-coded
     segment), (each segment's codec tables))`` on ``device`` → the plan's tensor of
-    ``dtype``, born there."""
+    ``dtype``, born there. ``device`` may be a platform name, as for :func:`encoder`."""
     dim, rows = plan.dim, plan.rows
     src = jnp.dtype(plan.dtype)
     if plan.norm_dtype is not None:
@@ -332,8 +351,7 @@ def decoder(plan: Plan, block: int, device, dtype):
             out = jax.lax.dynamic_update_slice(out, vals, (r.row_start, 0))
         return jax.lax.bitcast_convert_type(out, dtype).reshape(plan.shape)
 
-    placed = jax.sharding.SingleDeviceSharding(device)
-    return jax.jit(program, in_shardings=placed, out_shardings=placed)
+    return _jit(program, device)
 
 
 def decode(plan: Plan, parsed: _wire.Parsed, blob, dtype, block_vectors_: int | None, device) -> jax.Array:
@@ -350,3 +368,25 @@ def decode(plan: Plan, parsed: _wire.Parsed, blob, dtype, block_vectors_: int | 
     # compiles the same arithmetic (as constants it may fuse and round differently).
     tables = tuple(_codec.device_tables(s.config, device) for s in plan.segments)
     return decoder(plan, block, device, jnp.dtype(dtype))(jax.device_put(buf, device), coded, tables)
+
+
+def export(plan: Plan, dtype, platform: str, block_vectors_: int | None = None) -> tuple:
+    """The encoder and decoder of ``plan`` for ``dtype`` as a ``platform`` device
+    (``"tpu"``, ``"cuda"``, ...) runs them, exported for that platform from any host:
+    ``(jax.export.Exported encoder, jax.export.Exported decoder)``, the blocks
+    :func:`block_vectors` gives that platform. The programs are XLA, so lowering them
+    checks that the platform's compiler is handed no op it rejects (no float64, no
+    64-bit integer: :func:`encoder` keeps offsets in int32); whether the compiler then
+    accepts them and how fast they run only that platform can tell."""
+    dtype = jnp.dtype(dtype)
+    block = block_vectors(plan, block_vectors_, platform)
+    x = jax.ShapeDtypeStruct(plan.shape, dtype)
+    enc = jax.export.export(encoder(plan, block, platform, dtype), platforms=[platform])(x)
+    coded = tuple(jax.ShapeDtypeStruct((s.n_vectors,), jnp.float32) for s in plan.segments) if plan.norm_bits else ()
+    tables = jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tuple(_codec.device_tables(s.config) for s in plan.segments)
+    )
+    dec = jax.export.export(decoder(plan, block, platform, dtype), platforms=[platform])(
+        jax.ShapeDtypeStruct((plan.nbytes,), jnp.uint8), coded, tables
+    )
+    return enc, dec

@@ -18,7 +18,7 @@ from tq_jax import safetensors_io as st
 from tq_jax.batch.errors import BatchError
 from tq_jax.batch.writers import open_writer
 
-__all__ = ["byte_view", "produce", "Progress", "run_local", "LOG_EVERY"]
+__all__ = ["byte_view", "produce", "unit_device", "Progress", "run_local", "LOG_EVERY"]
 
 LOG_EVERY = 10.0  # seconds between progress lines when stderr is not a terminal (a log)
 
@@ -30,15 +30,30 @@ def byte_view(data) -> memoryview:
     return memoryview(data).cast("B")
 
 
-def produce(src, unit, devices) -> np.ndarray | bytes:
+def unit_device(devices, turn: int):
+    """Where one unit is encoded or decoded: on accelerators (devices that take the device
+    path, :func:`tq_jax.blob.takes`: a GPU or TPU host) one device, the units dealt
+    to them in turn, so that each unit runs as one compiled program there
+    (:mod:`tq_jax.program`); on CPU devices the list, whose blocks the host block driver
+    deals out."""
+    from tq_jax import blob
+
+    if all(blob.takes(d) for d in devices):
+        return devices[turn % len(devices)]
+    return devices
+
+
+def produce(src, unit, devices, turn: int = 0) -> np.ndarray | bytes:
     """The output bytes of one :class:`~tq_jax.batch.plan.Unit` (exactly ``unit.nbytes``
-    for raw and decode units; an encode unit's blob may differ from its estimate).
+    for raw and decode units; an encode unit's blob may differ from its estimate),
+    computed where :func:`unit_device` puts unit number ``turn``.
 
     Raises:
         BatchError: a norm that float16 cannot hold (encode), or a corrupt blob (decode).
     """
     import tq_jax
 
+    devices = unit_device(devices, turn)
     where = f"{src.path}: tensor {unit.name!r}"
     if unit.kind == "raw":
         return src.read(unit.name, unit.start, unit.stop)
@@ -148,9 +163,11 @@ def run_local(plan, src, devices, progress: Callable[[int], None] = lambda n: No
     w = open_writer(plan)
     try:
         sizes = {}
+        turn = 0
         for ei, e in enumerate(plan.entries):
             for ui, u in enumerate(e.units):
-                data = byte_view(produce(src, u, devices))
+                data = byte_view(produce(src, u, devices, turn))
+                turn += u.kind != "raw"
                 w.write(data)
                 if u.kind != "raw":
                     sizes[ei, ui] = len(data)

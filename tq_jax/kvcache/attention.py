@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from tq_jax.kvcache import exact as _exact
 from tq_jax.kvcache import scoring as _scoring
+from tq_jax.kvcache import target as _target
 from tq_jax.kvcache import xla as _xla
 from tq_jax.kvcache.state import KVCache
 
@@ -18,7 +19,7 @@ if TYPE_CHECKING:  # annotations only; jaxtyping is not a runtime dependency
 
     from tq_jax.kvcache.pallas_gpu import Tuning
 
-__all__ = ["attend", "IMPLS", "resolve_impl"]
+__all__ = ["attend", "IMPLS", "resolve_impl", "forms", "coded_partial"]
 
 IMPLS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu")
 
@@ -36,43 +37,85 @@ def _triton_available() -> bool:
     return pallas_gpu.available()
 
 
-def resolve_impl(cache: KVCache, impl: str) -> str:
-    """The kernel ``impl`` names for this cache on JAX's default backend: ``"auto"`` is
-    the GPU kernel on a GPU (measured faster than the XLA loop there:
-    benchmarks/results/accelerator_nvidia_h200.md) when ``head_dim`` tiles for Triton
-    and this jax has Pallas's Triton backend, else the XLA loop (a GPU without the
-    backend warns once); ``"pallas"`` is the backend's Pallas kernel."""
-    backend = jax.default_backend()
+def resolve_impl(cache: KVCache, impl: str, platform: str | None = None) -> str:
+    """The kernel ``impl`` names for this cache on ``platform`` (one of
+    :data:`tq_jax.kvcache.target.PLATFORMS`, or ``"gpu"``; None: JAX's default backend).
+
+    ``"auto"`` is the GPU kernel on a GPU (measured faster than the XLA loop there:
+    benchmarks/results/accelerator_nvidia_h200.md) when ``head_dim`` tiles for Triton and
+    this jax has Pallas's Triton backend, else the XLA loop (on a GPU host without the
+    backend it warns once); on a TPU it is the XLA loop until a TPU measurement says
+    otherwise (docs/kvcache.md). ``"auto"`` names the GPU kernel only when traced on a
+    GPU host: elsewhere it is the XLA loop for every platform, so a CPU or TPU program
+    never traces the GPU kernel (its Pallas call does not trace under every transform a
+    user applies, e.g. ``shard_map`` with ``check_vma``); name ``"pallas_gpu"`` to export
+    the kernel for a GPU from another host. ``"pallas"`` is the platform's Pallas kernel:
+    the GPU kernel on a GPU, the TPU kernel on a TPU and, interpreted, on a CPU.
+    :func:`attend` resolves ``impl`` for every platform and stages the choices out
+    (:func:`tq_jax.kvcache.target.staged`), so a program lowered for a platform holds
+    that platform's kernel, whatever the host that traced it."""
+    if platform is None:
+        platform = jax.default_backend()
+    gpu = platform == "gpu" or platform in _target.GPU
     if impl == "auto":
-        if backend != "gpu" or not _scoring.lanes_tile(cache.config):
+        if not gpu or jax.default_backend() != "gpu" or not _scoring.lanes_tile(cache.config):
             return "xla"
         if not _triton_available():
-            if "no-triton" not in _warned:
+            if "no-triton" not in _warned and jax.default_backend() == "gpu":
                 _warned.add("no-triton")
                 warnings.warn(NO_TRITON_FALLBACK.format(version=jax.__version__), RuntimeWarning, stacklevel=3)
             return "xla"
         return "pallas_gpu"
     if impl == "pallas":
-        return "pallas_gpu" if backend == "gpu" else "pallas_tpu"
+        return "pallas_gpu" if gpu else "pallas_tpu"
     return impl
 
 
-def _attend_impl(cache: KVCache, q, impl: str = "xla", tuning=None, interpret: bool = False):
-    query = _scoring.query(cache, q)
-    if impl == "pallas_gpu":
+def forms(cache: KVCache, impl: str) -> tuple:
+    """``((platform, (kernel, interpreted)), ...)`` for every platform a program running
+    ``impl`` can be lowered for: a Pallas kernel only where it is written for (its
+    compiled form) and on the CPU (interpreted, :func:`tq_jax.kvcache.target.interpret`)."""
+    out = []
+    for platform in _target.PLATFORMS:
+        kernel = resolve_impl(cache, impl, platform)
+        if kernel == "xla":
+            out.append((platform, ("xla", False)))
+        elif _target.interpret(platform) or platform in {"pallas_tpu": _target.TPU, "pallas_gpu": _target.GPU}[kernel]:
+            if kernel == "pallas_gpu" and not _target.interpret(platform) and not _gpu_kernel_builds(cache):
+                continue  # lowering for this GPU fails (attend refuses on a GPU host, saying why)
+            out.append((platform, (kernel, _target.interpret(platform))))
+    return tuple(out)
+
+
+def _gpu_kernel_builds(cache: KVCache) -> bool:
+    """Whether the GPU kernel can be compiled for this cache: Pallas's Triton backend is
+    there and ``head_dim`` tiles for it."""
+    return _triton_available() and _scoring.lanes_tile(cache.config)
+
+
+def coded_partial(form: tuple, cache: KVCache, query, tuning):
+    """The coded part ``(m, l, acc)`` by ``form``'s kernel, compiled or interpreted."""
+    kernel, interpret = form
+    if kernel == "pallas_gpu":
         from tq_jax.kvcache import pallas_gpu  # Pallas loads only when asked for
 
-        m, l, acc = pallas_gpu.partial(cache, query, interpret=interpret, tuning=tuning or pallas_gpu.DEFAULT_TUNING)
-    elif impl == "pallas_tpu":
+        return pallas_gpu.partial(cache, query, interpret=interpret, tuning=tuning or pallas_gpu.DEFAULT_TUNING)
+    if kernel == "pallas_tpu":
         from tq_jax.kvcache import pallas_tpu
 
-        m, l, acc = pallas_tpu.partial(cache, query, interpret=interpret)
-    else:
-        m, l, acc = _xla.partial(cache, query)
+        return pallas_tpu.partial(cache, query, interpret=interpret)
+    return _xla.partial(cache, query)
+
+
+def _attend_impl(cache: KVCache, q, forms: tuple = (), tuning=None):
+    """``forms``: :func:`forms` (static); the program holds the form of the platform it
+    is lowered for."""
+    query = _scoring.query(cache, q)
+    m, l, acc = _target.staged(dict(forms), lambda form: coded_partial(form, cache, query, tuning))
     return _exact.finish(cache, q, query, m, l, acc)
 
 
-_attend_jit = jax.jit(_attend_impl, static_argnames=("impl", "tuning", "interpret"))
+_attend_jit = jax.jit(_attend_impl, static_argnames=("forms", "tuning"))
 
 
 def attend(
@@ -103,10 +146,13 @@ def attend(
         impl: ``"auto"`` (the default: the GPU kernel on a GPU, the XLA loop elsewhere;
             :func:`resolve_impl`), ``"xla"`` (a ``fori_loop`` over blocks of XLA ops),
             ``"pallas_gpu"`` (one Pallas/Triton kernel, ``tq_jax.kvcache.pallas_gpu``),
-            ``"pallas_tpu"`` (one Pallas kernel with a TPU grid spec,
-            ``tq_jax.kvcache.pallas_tpu``) or ``"pallas"`` (the GPU kernel on a GPU, the TPU
-            one elsewhere). On CPU the Pallas kernels run in the Pallas interpreter
-            (correct but slow). docs/accelerator.md says which runs where and why.
+            ``"pallas_tpu"`` (one Pallas/Mosaic kernel, ``tq_jax.kvcache.pallas_tpu``) or
+            ``"pallas"`` (the GPU kernel on a GPU, the TPU one elsewhere). Each is resolved
+            for the platform the program is lowered for, not the host that traces it
+            (:mod:`tq_jax.kvcache.target`): a Pallas kernel is compiled for its accelerator
+            and runs in the Pallas interpreter (correct but slow) on a CPU, and a program
+            exported on a CPU for a TPU holds the Mosaic kernel. docs/accelerator.md and
+            docs/tpu.md say which runs where and why.
         tuning: the GPU kernel's static knobs (:class:`tq_jax.kvcache.pallas_gpu.Tuning`),
             used when the kernel runs (``impl`` ``"pallas_gpu"``, or ``"auto"``/``"pallas"``
             resolving to it); None is its default, the float32-level ``mode="exact"``.
@@ -150,14 +196,16 @@ def attend(
             f"`tuning` is the GPU kernel's (impl='pallas_gpu'), got it with impl={impl!r}, which never runs that "
             "kernel: drop `tuning`, or use impl='pallas_gpu' or 'auto'."
         )
-    resolved = resolve_impl(cache, impl)
-    interpret = jax.default_backend() == "cpu"  # the Pallas interpreter: correct, slow, for tests
-    if resolved == "pallas_gpu" and not interpret:
+    if jax.default_backend() == "gpu" and resolve_impl(cache, impl) == "pallas_gpu":
         from tq_jax.kvcache import pallas_gpu
 
         if not pallas_gpu.available():
             raise RuntimeError(pallas_gpu.NO_TRITON.format(version=jax.__version__))
-    return _attend_jit(cache, q, impl=resolved, tuning=tuning if resolved == "pallas_gpu" else None, interpret=interpret)
+        if not _scoring.lanes_tile(cfg):
+            raise ValueError(pallas_gpu.NO_TILE.format(dim=cfg.head_dim, kb=cfg.key_bits, vb=cfg.value_bits))
+    staged = forms(cache, impl)
+    gpu_kernel = any(kernel == "pallas_gpu" for _, (kernel, _) in staged)
+    return _attend_jit(cache, q, forms=staged, tuning=tuning if gpu_kernel else None)
 
 
 # --------------------------------------------------------------------------- export / load

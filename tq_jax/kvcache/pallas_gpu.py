@@ -63,7 +63,7 @@ from tq_jax.kvcache import scoring as _scoring
 from tq_jax.kvcache.state import KVCache
 
 __all__ = ["attend", "partial", "Tuning", "DEFAULT_TUNING", "BF16_TUNING", "MODES", "LOOKUPS", "DOTS", "available",
-           "compiler_params", "pair_table"]
+           "compiler_params", "pair_table", "NO_TRITON", "NO_TILE"]
 
 MODES = ("exact", "bf16")
 LOOKUPS = ("select", "gather", "pair")
@@ -154,6 +154,12 @@ def _pow2(n: int) -> int:
 NO_TRITON = (
     "impl='pallas_gpu' needs Pallas's Triton backend (jax.experimental.pallas.triton), which this jax {version} "
     "does not have (jax 0.11 deprecated it): use impl='xla', or impl='auto', which falls back to it."
+)
+
+
+NO_TILE = (
+    "impl='pallas_gpu' needs head_dim / plane_count to be a power of two for both widths (Triton tiles), got "
+    "head_dim={dim} at key_bits={kb}, value_bits={vb}: use impl='xla'."
 )
 
 
@@ -373,10 +379,7 @@ def partial(cache: KVCache, query: _scoring.Query, *, interpret: bool, tuning: T
     wk, wv = dim // gk, dim // gv
     pgk, pgv = gk * cfg.key_bits // 8, gv * cfg.value_bits // 8
     if not _scoring.lanes_tile(cfg):
-        raise ValueError(
-            f"impl='pallas_gpu' needs head_dim / plane_count to be a power of two for both widths (Triton "
-            f"tiles), got head_dim={dim} at key_bits={cfg.key_bits}, value_bits={cfg.value_bits}: use impl='xla'."
-        )
+        raise ValueError(NO_TILE.format(dim=dim, kb=cfg.key_bits, vb=cfg.value_bits))
     hi, sink_lo, sinks = query.hi, query.sink_lo, query.sinks
 
     page = cfg.page_tokens

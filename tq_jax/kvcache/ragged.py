@@ -51,14 +51,14 @@ from tq_jax.kvcache import attention as _attention
 from tq_jax.kvcache import exact as _exact
 from tq_jax.kvcache import scoring as _scoring
 from tq_jax.kvcache import state as _state
-from tq_jax.kvcache import xla as _xla
+from tq_jax.kvcache import target as _target
 from tq_jax.kvcache.pool import DEFAULT_MAX_SEQS, Pool, PoolConfig, init_pool, nbytes, write
 
 if TYPE_CHECKING:  # annotations only; jaxtyping is not a runtime dependency
     from jaxtyping import Array, Float
 
 __all__ = ["PoolConfig", "Pool", "init_pool", "write", "attend", "nbytes", "IMPLS", "DEFAULT_MAX_SEQS",
-           "MAX_Q_BLOCK", "tiles", "interpret"]
+           "MAX_Q_BLOCK", "tiles", "forms"]
 
 IMPLS = _attention.IMPLS
 MAX_Q_BLOCK = 64  # queries per tile at most (a tile's rows are G * q_block)
@@ -67,18 +67,12 @@ MAX_Q_BLOCK = 64  # queries per tile at most (a tile's rows are G * q_block)
 # --------------------------------------------------------------------------- attend
 
 
-def interpret(impl: str):
-    """How the Pallas kernel ``impl`` runs: compiled (False) on an accelerator, or, on a
-    CPU backend, in the Pallas interpreter (True), the TPU kernel in the TPU interpreter
-    (``pltpu.InterpretParams()``: TPU memory spaces and semantics, checked on CPU). The
-    one place this module decides it."""
-    if jax.default_backend() != "cpu":
-        return False
-    if impl == "pallas_tpu":
-        from jax.experimental.pallas import tpu as pltpu  # Pallas loads only when asked for
-
-        return pltpu.InterpretParams()
-    return True
+def forms(config, impl: str) -> tuple:
+    """``((platform, (kernel, interpreted)), ...)``: what ``impl`` runs on each platform a
+    program can be lowered for, as :func:`tq_jax.kvcache.attend` resolves it
+    (:func:`tq_jax.kvcache.attention.forms`, on :mod:`tq_jax.kvcache.target`'s rule: the
+    compiled kernel on its accelerator, the Pallas interpreter on the CPU)."""
+    return _attention.forms(_ConfigOnly(config.view(1, 1, 16)), impl)
 
 
 def tiles(cu_q_lens, num_seqs, q_block: int, n_tiles: int):
@@ -162,7 +156,7 @@ def _exact_tokens(pool: Pool, seq, kv_len, hi, sink_lo, entry, col0, wpages):
     return cat(ks), cat(vs), cat(poss), cat(valids)
 
 
-def _attend_impl(pool: Pool, q, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale, *, impl: str, interpret,
+def _attend_impl(pool: Pool, q, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale, *, forms: tuple,
                  q_block: int, block_tokens: int, sliding_window: int | None, tuning=None):
     cfg = pool.config
     n_tok, q_heads, dim = q.shape
@@ -197,16 +191,8 @@ def _attend_impl(pool: Pool, q, kv_lens, page_indices, cu_q_lens, num_seqs, sm_s
     last = jnp.tile(jnp.where(live, pos0[:, None] + rows[None, :], -1), (1, group))  # row g*q_block + i
     query = _scoring.query(view, q_tiles)._replace(
         hi=jnp.where(count > 0, hi[seq], 0), sink_lo=sink_lo[seq], last=last, sliding_window=sliding_window)
-    if impl == "pallas_gpu":
-        from tq_jax.kvcache import pallas_gpu  # Pallas loads only when asked for
-
-        m, l, acc = pallas_gpu.partial(view, query, interpret=interpret, tuning=tuning or pallas_gpu.DEFAULT_TUNING)
-    elif impl == "pallas_tpu":
-        from tq_jax.kvcache import pallas_tpu
-
-        m, l, acc = pallas_tpu.partial(view, query, interpret=interpret)
-    else:
-        m, l, acc = _xla.partial(view, query)
+    # the program holds the form of the platform it is lowered for (tq_jax.kvcache.target)
+    m, l, acc = _target.staged(dict(forms), lambda form: _attention.coded_partial(form, view, query, tuning))
     exact = None
     if cfg.window or cfg.sinks:
         k, v, pos, valid = _exact_tokens(pool, seq, kv_len, query.hi, sink_lo, entry, col0, wpages)
@@ -217,7 +203,7 @@ def _attend_impl(pool: Pool, q, kv_lens, page_indices, cu_q_lens, num_seqs, sm_s
 
 
 _attend_jit = jax.jit(
-    _attend_impl, static_argnames=("impl", "interpret", "q_block", "block_tokens", "sliding_window", "tuning"))
+    _attend_impl, static_argnames=("forms", "q_block", "block_tokens", "sliding_window", "tuning"))
 
 
 def _pow2_floor(n: int) -> int:
@@ -293,23 +279,24 @@ def attend(pool: Pool, q, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scal
         q_block = min(MAX_Q_BLOCK, _pow2_floor(n_tok // n_seq))
     else:
         q_block = _state.power_of_two(q_block, "q_block", "queries per tile of one sequence.")
-    resolved = _attention.resolve_impl(_ConfigOnly(cfg.view(1, 1, 16)), impl)
-    if tuning is not None and resolved != "pallas_gpu":
-        raise ValueError(f"`tuning` is the GPU kernel's (impl='pallas_gpu'), got it with impl={impl!r} ({resolved!r}).")
+    if tuning is not None and impl in ("xla", "pallas_tpu"):
+        raise ValueError(f"`tuning` is the GPU kernel's (impl='pallas_gpu'), got it with impl={impl!r}, which never "
+                         f"runs that kernel: drop `tuning`, or use impl='pallas_gpu' or 'auto'.")
     if n_tok == 0:
         return jnp.zeros(q.shape, q.dtype)
     n_tiles = min(n_tok, -(-n_tok // q_block) + n_seq)
     block = block_tokens or _state.default_block_tokens(n_tiles, heads, cfg.head_dim)
     block = _state.power_of_two(block, "block_tokens", "tokens per step of the coded loop.")
-    interp = interpret(resolved)
-    if resolved == "pallas_gpu" and not interp:
+    if jax.default_backend() == "gpu" and _attention.resolve_impl(_ConfigOnly(cfg.view(1, 1, 16)), impl) == "pallas_gpu":
         from tq_jax.kvcache import pallas_gpu
 
         if not pallas_gpu.available():
             raise RuntimeError(pallas_gpu.NO_TRITON.format(version=jax.__version__))
-    return _attend_jit(pool, q, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale, impl=resolved,
-                       interpret=interp, q_block=q_block, block_tokens=block,
-                       sliding_window=None if sliding_window is None else int(sliding_window), tuning=tuning)
+    staged = forms(cfg, impl)
+    gpu_kernel = any(kernel == "pallas_gpu" for _, (kernel, _) in staged)
+    return _attend_jit(pool, q, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale, forms=staged, q_block=q_block,
+                       block_tokens=block, sliding_window=None if sliding_window is None else int(sliding_window),
+                       tuning=tuning if gpu_kernel else None)
 
 
 class _ConfigOnly:

@@ -25,24 +25,28 @@ __all__ = ["planes", "parts", "lanes_tile", "lookup", "centroid_norms", "Query",
 
 
 def planes(codes, bits: int, dim: int, parts: int) -> list:
-    """uint8 rows ``(..., dim*bits/8)`` -> ``parts`` uint8 index arrays ``(..., dim/parts)``
-    that together hold the ``dim`` indices in planar order (:func:`tq_jax.packing.plane_order`:
-    lane 0 of every group, then lane 1, ...).
+    """Code rows ``(..., dim*bits/8)`` (uint8, or int32 widened from it) -> ``parts`` index
+    arrays ``(..., dim/parts)`` of that dtype that together hold the ``dim`` indices in
+    planar order (:func:`tq_jax.packing.plane_order`: lane 0 of every group, then lane 1, ...).
 
     Lane ``i`` of a group of ``G = plane_count(bits)`` indices starts at bit ``i*bits`` of
     the group's bytes (LSB first) and spans at most two bytes; it is shifted out of them
-    in uint8, so the unpacking stays one element-wise pass with no interleave. Part ``p``
+    in the rows' dtype, so the unpacking stays one element-wise pass with no interleave. Part ``p``
     is lanes ``p*G/parts ...`` side by side.
     """
     g = _packing.plane_count(bits)
     per_group = g * bits // 8
-    v = codes.reshape(*codes.shape[:-1], dim // g, per_group)
+    if per_group == 1:  # a group is one byte: no reshape (a TPU kernel would pay a relayout for it)
+        byte = lambda j: codes  # noqa: E731
+    else:
+        v = codes.reshape(*codes.shape[:-1], dim // g, per_group)
+        byte = lambda j: v[..., j]  # noqa: E731
     lanes = []
     for i in range(g):
         first, shift = divmod(i * bits, 8)
-        x = v[..., first] >> np.uint8(shift) if shift else v[..., first]
+        x = byte(first) >> np.uint8(shift) if shift else byte(first)
         if shift + bits > 8:  # the lane runs into the next byte
-            x = x | (v[..., first + 1] << np.uint8(8 - shift))
+            x = x | (byte(first + 1) << np.uint8(8 - shift))
         lanes.append(x & np.uint8((1 << bits) - 1) if bits < 8 else x)
     k = g // parts
     return [lanes[p * k] if k == 1 else jnp.concatenate(lanes[p * k : (p + 1) * k], axis=-1) for p in range(parts)]

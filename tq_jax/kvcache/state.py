@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from typing import TYPE_CHECKING
 
 import jax
@@ -184,6 +185,24 @@ jax.tree_util.register_dataclass(
                  "k_window", "v_window", "k_sinks", "v_sinks", "exact_from"],
     meta_fields=["config"],
 )
+
+
+def _config_json(aux) -> bytes:
+    (config,) = aux
+    return json.dumps(dataclasses.asdict(config), sort_keys=True).encode()
+
+
+def _config_from_json(data: bytes):
+    return (CacheConfig(**json.loads(data)),)
+
+
+# An exported program (jax.export) that takes or returns a cache records its pytree; this
+# lets Exported.serialize() write it (and deserialize() read it back).
+if hasattr(jax, "export") and hasattr(jax.export, "register_pytree_node_serialization"):
+    jax.export.register_pytree_node_serialization(
+        KVCache, serialized_name="tq_jax.kvcache.KVCache", serialize_auxdata=_config_json,
+        deserialize_auxdata=_config_from_json,
+    )
 
 
 # --------------------------------------------------------------------------- init
