@@ -268,6 +268,8 @@ def main(argv=None):
     import easydel as ed
     from transformers import AutoTokenizer
 
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip()  # read first: the run may take an hour
     t0 = time.perf_counter()
     model_dir = convert(args.model_dir)
     shims(args.cache_mb)
@@ -319,8 +321,6 @@ def main(argv=None):
             f"{kl} | {top1} | {np.mean([a[0] for a in agree]):.0f} ({', '.join(str(a[0]) for a in agree)}) | "
             f"{100 * np.mean([a[1] for a in agree]):.1f} % | {held_ok}/{len(HELD_OUT)} | "
             f"{speed[name][0]:.1f} / {speed[name][1]:.1f} |")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
     report = "\n".join([
         "# eSurge serving SmolLM2-135M on CPU: six KV caches",
         "",

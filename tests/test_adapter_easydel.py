@@ -45,11 +45,13 @@ def budget():
 
 @pytest.fixture(scope="module")
 def model(budget):
-    """A 2-layer Llama (4 query heads, 2 KV heads, head_dim 64) with random weights large
-    enough that greedy tokens vary, on EasyDeL's ragged paged attention v3."""
+    """A 2-layer Llama (4 query heads, 2 KV heads, head_dim 64) with random weights, on
+    EasyDeL's ragged paged attention v3. Weights drawn at 0.02 (Llama's initializer range)
+    keep attention soft: larger random weights make it so sharp that bfloat16 rounding
+    alone moves EasyDeL's own log-probs by tenths."""
     cfg = ed.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
-                         initializer_range=0.25, sharding_axis_dims=(1, 1, 1, -1, 1),
+                         sharding_axis_dims=(1, 1, 1, -1, 1),
                          attn_mechanism="ragged_page_attention_v3", attn_dtype=jnp.bfloat16, kvdtype=jnp.bfloat16)
     yield ed.LlamaForCausalLM(config=cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     tq_easydel.uninstall()
@@ -126,6 +128,18 @@ def test_the_codes_cache_spends_the_bf16_budget_and_uninstall_restores(model):
     tq_easydel.install()
 
 
+def test_model_generate_names_esurge(model):
+    """EasyDeL's model.generate builds no ragged metadata (its own ragged cache fails on it
+    too): the pool says so and names eSurge, rather than failing on a None."""
+    from transformers import GenerationConfig
+
+    ours = tq_easydel.use(variant(model), "turbo-4", max_seqs=2)
+    ids = jnp.asarray(np.random.default_rng(0).integers(1, VOCAB, (1, 12)), jnp.int32)
+    with ours.mesh, pytest.raises(ValueError, match=r"model\.generate does not build it.*eSurge"):
+        ours.generate(ids, generation_config=GenerationConfig(max_new_tokens=2, do_sample=False, pad_token_id=0,
+                                                              eos_token_id=0))
+
+
 # --------------------------------------------------------------------------- in the model
 
 
@@ -137,10 +151,11 @@ def _steps(model):
 
     @jax.jit
     def step(cache, ids, positions, kv_lens, cu, tables, slices):
+        n = kv_lens.shape[0]
         md = RaggedPagesMetadata(
-            pages_tables=tables, context_lens=kv_lens, query_start_loc=cu, num_seqs=jnp.asarray([2], jnp.int32),
-            request_distribution=None if v2 else jnp.asarray([0, 2, 2], jnp.int32),
-            slot_mapping=slices if v2 else None, num_kv_update_slices=jnp.asarray([2], jnp.int32) if v2 else None,
+            pages_tables=tables, context_lens=kv_lens, query_start_loc=cu, num_seqs=jnp.asarray([n], jnp.int32),
+            request_distribution=None if v2 else jnp.asarray([0, n, n], jnp.int32),
+            slot_mapping=slices if v2 else None, num_kv_update_slices=jnp.asarray([n], jnp.int32) if v2 else None,
             page_size=PAGE, version="v2" if v2 else "v3")
         m = nnx.merge(graphdef, state, other)
         with m.mesh, set_inference_mode():
@@ -181,25 +196,33 @@ def reference(model, tokens):
 
 
 def _probs_distance(a, b):
-    return float(np.abs(np.exp(a) - np.exp(b)).sum(-1).max())  # max total-variation x2 over positions
+    return float(np.abs(np.exp(a) - np.exp(b)).sum(-1).max())  # twice the largest total variation
+
+
+def _flips(got, reference):
+    """Positions whose greedy token differs, and the reference's top-2 margin there."""
+    top2 = np.sort(reference, -1)[:, -2:]
+    flip = got.argmax(-1) != reference.argmax(-1)
+    return top2[flip, 1] - top2[flip, 0]
 
 
 def test_exact_window_reproduces_easydel_bf16_cache(model, tokens, reference):
-    """A window over every token: attention reads the bf16 K/V exactly, as EasyDeL's cache does."""
+    """A window over every token: attention reads the bf16 K/V exactly, as EasyDeL's cache
+    does; the two differ by bfloat16 rounding (EasyDeL's kernel computes in bfloat16)."""
     got, cache = _run(tq_easydel.use(variant(model), "turbo-4", window=64, sinks=4, max_seqs=2), tokens)
     assert all(isinstance(v, tq_easydel.CodesCacheView) for v in cache.views)
-    assert (got.argmax(-1) == reference.argmax(-1)).mean() >= 0.98
-    assert _probs_distance(got, reference) < 0.05
+    assert np.abs(got - reference).max() < 0.03
+    assert (_flips(got, reference) < 0.03).all()
 
 
 def test_codes_only_stay_close_to_easydel_bf16_cache(model, tokens, reference):
     """No window, no sinks: every K/V read from 4-bit codes; farther than exact, still close."""
     exact, _ = _run(tq_easydel.use(variant(model), None, window=64, sinks=4, max_seqs=2), tokens)
     coded, cache = _run(tq_easydel.use(variant(model), None, window=0, sinks=0, max_seqs=2), tokens)
-    assert cache.views[0].pool.config.window == 0
+    assert cache.views[0].pool.config.window == 0 and cache.views[0].pool.config.sinks == 0
     d_exact, d_coded = _probs_distance(exact, reference), _probs_distance(coded, reference)
-    assert d_exact < d_coded < 0.5
-    assert (coded.argmax(-1) == reference.argmax(-1)).mean() >= 0.8
+    assert 2 * d_exact < d_coded < 0.1
+    assert (_flips(coded, reference) < 0.1).all()
 
 
 # --------------------------------------------------------------------------- in eSurge
@@ -231,15 +254,38 @@ def _greedy(model, tokenizer_dir, prompts, n):
         engine.terminate()
 
 
+def _prefill(model, ids):
+    """Log-probs of one sequence prefilled in one step (the reference's next-token scores)."""
+    pages = -(-len(ids) // PAGE)
+    cfg = model.create_ragged_page_cache_config(max_length=pages * PAGE, page_size=PAGE).replace(num_pages=pages)
+    cache = model.init_operations_cache(batch_size=1, max_length=pages * PAGE, page_size=PAGE, ragged_config=cfg)
+    n = len(ids)
+    logp, _ = _steps(model)(cache, jnp.asarray(ids, jnp.int32), jnp.arange(n, dtype=jnp.int32),
+                            jnp.asarray([n], jnp.int32), jnp.asarray([0, n], jnp.int32),
+                            jnp.arange(pages, dtype=jnp.int32)[None], jnp.asarray([[0], [0], [n]], jnp.int32))
+    return np.asarray(logp)
+
+
 @pytest.mark.slow
 def test_esurge_serves_on_the_pool(model, tokenizer_dir):
     """eSurge end to end (scheduler, chunked prefill, decode batches) with the pool as its
-    cache: with every token in the exact window, the same greedy tokens as EasyDeL's bf16 cache."""
+    cache, every token in the exact window: the greedy tokens of EasyDeL's bf16 engine, up
+    to the first near-tie of the bf16 model's scores (a top-2 margin under 0.03: bfloat16
+    rounding of either engine can flip it)."""
     rng = np.random.default_rng(1)
-    prompts = [" ".join(rng.choice(WORDS, 30)), " ".join(rng.choice(WORDS, 19))]
-    want, views = _greedy(variant(model, attn_mechanism="ragged_page_attention_v2"), tokenizer_dir, prompts, 12)
+    prompts = [rng.choice(WORDS, 30), rng.choice(WORDS, 19)]
+    texts = [" ".join(p) for p in prompts]
+    bf16 = variant(model, attn_mechanism="ragged_page_attention_v2")
+    want, views = _greedy(bf16, tokenizer_dir, texts, 12)
     assert type(views[0]).__name__ == "RaggedPagesCacheView"
-    got, views = _greedy(tq_easydel.use(variant(model), "turbo-4", window=64, max_seqs=2), tokenizer_dir, prompts, 12)
+    got, views = _greedy(tq_easydel.use(variant(model), "turbo-4", window=64, max_seqs=2), tokenizer_dir, texts, 12)
     assert all(isinstance(v, tq_easydel.CodesCacheView) for v in views)
-    assert got == want
-    assert len(set(got[0])) > 1  # the random model does not just repeat one token
+    for prompt, w, g in zip(prompts, want, got):
+        assert len(g) == len(w) == 12
+        ids = [WORDS.index(t) + 1 for t in prompt] + w[:-1]
+        ref = _prefill(bf16, ids)[len(prompt) - 1:]  # the bf16 model's scores of each generated token
+        assert (ref.argmax(-1) == np.asarray(w)).all()  # the bf16 engine is greedy on its own model
+        first = next((i for i in range(12) if g[i] != w[i]), 12)
+        if first < 12:
+            top2 = np.sort(ref[first])[-2:]
+            assert top2[1] - top2[0] < 0.03, (first, g, w)

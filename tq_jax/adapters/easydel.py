@@ -72,6 +72,13 @@ from easydel.operations.kernels import ragged_page_attention as _ed_rpa  # noqa:
 from eformer.escale import PartitionAxis, PartitionManager  # noqa: E402
 from eformer.pytree import auto_pytree, field  # noqa: E402
 
+NO_METADATA = (
+    "tq_jax's cache was called without ragged paged attention metadata (page tables, KV lengths, query starts): "
+    "EasyDeL {version}'s model.generate does not build it, and fails the same way on EasyDeL's own ragged cache. "
+    "Generate with eSurge (ed.eSurge(model=model, ...) or model.esurge_generate(...)), which drives the cache, or "
+    "remove the settings (tq_easydel.use(model, False)) and load the model with attn_mechanism='vanilla' for "
+    "model.generate."
+)
 UNSUPPORTED = (
     "{what} is not supported by tq_jax's ragged attention (tq_jax.kvcache.ragged.attend takes a softmax scale and "
     "a sliding window only); serve this model with EasyDeL's own cache (tq_easydel.use(model, None) undoes the "
@@ -238,6 +245,8 @@ class CodesCacheView(RaggedPagesCacheView):
 
 
 def _rpa_args(md):
+    if md is None:
+        raise ValueError(NO_METADATA.format(version=EASYDEL_VERSION))
     kv_lens = md.context_lens.astype(jnp.int32)
     return kv_lens, md.pages_tables[: kv_lens.shape[0]].astype(jnp.int32), md.query_start_loc.astype(jnp.int32), \
         jnp.reshape(md.num_seqs, (-1,))[:1].astype(jnp.int32)
