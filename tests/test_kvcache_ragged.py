@@ -37,7 +37,9 @@ class Engine:
         self.free = self.pages.pop(seq) + self.free  # reused first
         del self.k[seq], self.v[seq]
 
-    def step(self, new, q_heads, pad_tokens=0, dtype=np.float32):
+    def step(self, new, q_heads, bucket=32, dtype=np.float32):
+        """Write ``new`` and return the queries and RPA arguments; the flat batch is padded
+        to ``bucket`` tokens (slot -1), as engines pad to a few compiled sizes."""
         ks, vs, slots, pos = [], [], [], []
         for seq, n in new.items():
             have = len(self.k.get(seq, ()))
@@ -53,7 +55,7 @@ class Engine:
             pos.append(p)
             ks.append(k)
             vs.append(v)
-        # padding tokens (slot -1) at the end of the flat batch, as engines pad to a bucket
+        pad_tokens = bucket - sum(new.values())
         ks.append(np.full((pad_tokens, H, D), 7.0, dtype))
         vs.append(np.full((pad_tokens, H, D), 7.0, dtype))
         slots.append(np.full(pad_tokens, -1))
@@ -93,13 +95,13 @@ def reference(eng, new, q, cu, window, sinks, sliding_window=None, scale=None):
 
 
 def run_steps(steps, *, impl="xla", window=8, sinks=2, page_size=8, group=2, num_pages=48, max_seqs=4,
-              pps=6, options=None, rng_seed=0, sliding_window=None, sm_scale=None, pad=3, **pool_kw):
+              pps=6, options=None, rng_seed=0, sliding_window=None, sm_scale=None, bucket=32, **pool_kw):
     rng = np.random.default_rng(rng_seed)
     pool = ragged.init_pool(num_pages, page_size, H, D, options, jnp.float32, window=window, sinks=sinks,
                             max_seqs=max_seqs, **pool_kw)
     eng = Engine(pool, max_seqs, pps, rng)
     for new in steps:
-        q, (kv_lens, table, cu, ns) = eng.step(new, H * group, pad_tokens=pad)
+        q, (kv_lens, table, cu, ns) = eng.step(new, H * group, bucket)
         out = np.asarray(ragged.attend(eng.pool, q, kv_lens, table, cu, ns, impl=impl,
                                        sliding_window=sliding_window, sm_scale=sm_scale))
         want = reference(eng, new, q, cu, window, sinks, sliding_window, sm_scale)
@@ -133,13 +135,16 @@ def test_codes_only_pool_matches_dense_attention_over_decoded_kv(impl):
 @pytest.mark.slow
 def test_many_sequences_small_pages_gqa4():
     steps = [{s: 3 + 2 * s for s in range(12)}, {s: 1 for s in range(12)}]
-    run_steps(steps, page_size=4, group=4, num_pages=96, max_seqs=12, pps=10, window=6, sinks=3)
+    run_steps(steps, page_size=4, group=4, num_pages=96, max_seqs=12, pps=10, window=6, sinks=3, bucket=176)
 
 
-def test_sliding_window_and_sm_scale_on_the_xla_path():
-    run_steps(MIXED[:3], sliding_window=5, sm_scale=0.3)
+@pytest.mark.parametrize("impl", ["xla", pytest.param("pallas_tpu", marks=pytest.mark.slow),
+                                  pytest.param("pallas_gpu", marks=pytest.mark.slow)])
+def test_sliding_window_and_sm_scale(impl):
+    run_steps(MIXED[:3], impl=impl, sliding_window=5, sm_scale=0.3)
 
 
+@pytest.mark.slow  # jax's reference runs op by op (the same semantics: test_sliding_window_... quick)
 def test_agrees_with_jax_reference_of_the_rpa_argument_form():
     """jax's ``ref_ragged_paged_attention`` over dense pages of the decoded K/V: the same
     reading of kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale and sliding_window."""
@@ -147,16 +152,16 @@ def test_agrees_with_jax_reference_of_the_rpa_argument_form():
     rng = np.random.default_rng(5)
     pool = ragged.init_pool(24, 8, H, D, dtype=jnp.float32, window=0, sinks=0)
     eng = Engine(pool, 3, 4, rng)
-    eng.step({0: 13, 1: 6}, 2 * H)
+    eng.step({0: 13, 1: 6}, 2 * H, bucket=24)
     new = {1: 3, 2: 9, 0: 1}
-    q, (kv_lens, table, cu, ns) = eng.step(new, 2 * H)
+    q, (kv_lens, table, cu, ns) = eng.step(new, 2 * H, bucket=24)
     dense = np.zeros((24, 8, 2 * H, D), np.float32)  # [pages, page_size, K/V interleaved by head, D]
     for seq in eng.k:
         dec = np.asarray(tq_jax.loads(dumps_kv(eng.k[seq], eng.v[seq], pool.config), dtype=jnp.float32))
         for p in range(len(eng.k[seq])):
             page, off = eng.pages[seq][p // 8], p % 8
             dense[page, off, 0::2], dense[page, off, 1::2] = dec[0, 0, p], dec[1, 0, p]
-    for sw, scale in ((None, 1 / np.sqrt(D)), (4, 0.2)):
+    for sw, scale in ((4, 0.2),):
         want = ref_mod.ref_ragged_paged_attention(jnp.asarray(q), jnp.asarray(dense), kv_lens, table, cu, ns,
                                                   sm_scale=scale, sliding_window=sw)
         got = ragged.attend(eng.pool, q, kv_lens, table, cu, ns, sm_scale=scale, sliding_window=sw)
@@ -169,40 +174,35 @@ def test_agrees_with_jax_reference_of_the_rpa_argument_form():
 
 @pytest.mark.parametrize("options", [None, pytest.param("turbo-3.5", marks=pytest.mark.slow)])
 def test_same_tokens_as_a_kvcache_give_the_same_codes_and_the_same_attention(options):
-    """Prefill then decode through both forms with the default window and sinks: the pool's
-    code rows and norms equal the cache's byte for byte, and attention agrees."""
+    """A prefill then decode steps through both forms, with the default window and sinks:
+    the pool's code rows and norms equal the cache's byte for byte, and attention agrees."""
     rng = np.random.default_rng(7)
-    lens0 = [40, 7, 0]
     pool = ragged.init_pool(64, 16, H, D, options, max_seqs=3)  # bfloat16, window 128 (or 256), 4 sinks
-    cache = kvcache.init(3, 96, H, D, options=options, page_size=16)
-    eng = Engine(pool, 3, 6, rng)
-    steps = [dict(enumerate(lens0)), {0: 1, 1: 1, 2: 5}, {2: 1, 0: 1, 1: 1}]
-    for new in steps:
-        q, (kv_lens, table, cu, ns) = eng.step(new, 3 * H, dtype=np.float32)
-        n = max(new.values())
-        k = np.zeros((3, n, H, D), np.float32)
-        v = np.zeros_like(k)
-        for seq, m in new.items():
-            k[seq, :m], v[seq, :m] = eng.k[seq][-m:] if m else 0, eng.v[seq][-m:] if m else 0
-        cache = kvcache.append(cache, k, v, new_lengths=np.array([new.get(s, 0) for s in range(3)]))
-        out = np.asarray(ragged.attend(eng.pool, q, kv_lens, table, cu, ns))
-        for row, (seq, m) in enumerate(new.items()):
-            if not m:
-                continue
-            qs = np.zeros((3, m, 3 * H, D), np.float32)
-            qs[seq] = q[cu[row] : cu[row + 1]]
-            want = np.asarray(kvcache.attend(cache, jnp.asarray(qs)))[seq]
-            got = out[cu[row] : cu[row + 1]]
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    cache = kvcache.init(3, 48, H, D, options=options, page_size=16)
+    eng = Engine(pool, 3, 3, rng)
+    q, args = eng.step({0: 40, 1: 40, 2: 0}, 3 * H, bucket=80)  # seq 2: empty
+    k = np.stack([eng.k[0], eng.k[1], np.zeros((40, H, D), np.float32)])
+    v = np.stack([eng.v[0], eng.v[1], np.zeros((40, H, D), np.float32)])
+    cache = kvcache.append(cache, k, v, new_lengths=np.array([40, 40, 0]))
+    out = np.asarray(ragged.attend(eng.pool, q, *args))
+    want = np.asarray(kvcache.attend(cache, jnp.asarray(q.reshape(2, 40, 3 * H, D)[[0, 1, 1]])))
+    np.testing.assert_allclose(out[:80].reshape(2, 40, 3 * H, D), want[:2], rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    for _ in range(2):  # decode steps, rows reordered
+        q, args = eng.step({2: 1, 0: 1, 1: 1}, 3 * H, bucket=80)
+        cache = kvcache.append(cache, np.stack([eng.k[s][-1:] for s in range(3)]),
+                               np.stack([eng.v[s][-1:] for s in range(3)]))
+        out = np.asarray(ragged.attend(eng.pool, q, *args))
+        want = np.asarray(kvcache.attend(cache, jnp.asarray(q[[1, 2, 0]][:, None])))[:, 0]
+        np.testing.assert_allclose(out[:3], want[[2, 0, 1]], rtol=1e-5, atol=1e-5 * np.abs(want).max())
     for seq in range(3):
         t = len(eng.k[seq])
         p = np.arange(t)
         slots = np.asarray(eng.pages[seq])[p // 16] * 16 + p % 16
         cpages = np.asarray(cache.page_table[seq])[p // 16]
         for name in ("k_codes", "k_norms", "v_codes", "v_norms"):
-            a = np.asarray(getattr(eng.pool, name)).reshape(64 * 16, *getattr(eng.pool, name).shape[2:])[slots]
-            b = np.asarray(getattr(cache, name))[cpages, p % 16]
-            np.testing.assert_array_equal(a, b)
+            leaf = np.asarray(getattr(eng.pool, name))
+            a = leaf.reshape(64 * 16, *leaf.shape[2:])[slots]
+            np.testing.assert_array_equal(a, np.asarray(getattr(cache, name))[cpages, p % 16], err_msg=name)
 
 
 # --------------------------------------------------------------------------- jit
@@ -250,8 +250,8 @@ def test_undersized_window_pool_reads_codes_where_its_copies_were_taken_back():
     rng = np.random.default_rng(11)
     pool = ragged.init_pool(16, 4, H, D, None, jnp.float32, window=8, sinks=0, exact_pages=1)
     eng = Engine(pool, 2, 4, rng)
-    eng.step({0: 6, 1: 3}, H)  # seq 1 wrote last: its page (positions 0..2) holds the window page
-    q, (kv_lens, table, cu, ns) = eng.step({0: 1}, H)  # seq 0 writes position 6 (its page 1): lent to it
+    eng.step({0: 6, 1: 3}, H, bucket=16)  # seq 1 wrote last: its page (positions 0..2) holds the window page
+    q, (kv_lens, table, cu, ns) = eng.step({0: 1}, H, bucket=16)  # seq 0 writes position 6 (its page 1): lent to it
     out = np.asarray(ragged.attend(eng.pool, q, kv_lens, table, cu, ns))
     ks, vs = eng.k[0], eng.v[0]
     dec = np.asarray(tq_jax.loads(dumps_kv(ks, vs, pool.config), dtype=jnp.float32), np.float64)
@@ -267,16 +267,16 @@ def test_reused_pages_never_read_stale_exact_copies():
     rng = np.random.default_rng(12)
     pool = ragged.init_pool(8, 4, H, D, None, jnp.float32, window=6, sinks=3, max_seqs=2)
     eng = Engine(pool, 2, 4, rng)
-    eng.step({0: 10}, H)
+    eng.step({0: 10}, H, bucket=16)
     eng.free_seq(0)
     # the new sequence's first page was the old one's first page (sink rows overwritten by sinks)
-    q, (kv_lens, table, cu, ns) = eng.step({1: 2}, H)
+    q, (kv_lens, table, cu, ns) = eng.step({1: 2}, H, bucket=16)
     np.testing.assert_allclose(np.asarray(ragged.attend(eng.pool, q, kv_lens, table, cu, ns)),
                                reference(eng, {1: 2}, q, cu, 6, 3), rtol=2e-5, atol=2e-5)
     # without positions: no sink is kept, and the reused rows are invalidated
     eng.positions = False
     eng.free_seq(1)
-    q, (kv_lens, table, cu, ns) = eng.step({2: 5}, H)
+    q, (kv_lens, table, cu, ns) = eng.step({2: 5}, H, bucket=16)
     out = np.asarray(ragged.attend(eng.pool, q, kv_lens, table, cu, ns))
     np.testing.assert_allclose(out, reference(eng, {2: 5}, q, cu, 6, 0), rtol=2e-5, atol=2e-5)
     assert not np.asarray(eng.pool.sink_valid).any()
@@ -285,10 +285,10 @@ def test_reused_pages_never_read_stale_exact_copies():
 def test_long_prefill_with_positions_borrows_only_its_window_pages():
     pool = ragged.init_pool(64, 4, H, D, None, jnp.float32, window=8, sinks=0, max_seqs=2)
     eng = Engine(pool, 1, 16, np.random.default_rng(13))
-    eng.step({0: 38}, H)  # 10 pages; the last 8 positions (30..37) span 3 of them
+    eng.step({0: 38}, H, bucket=40)  # 10 pages; the last 8 positions (30..37) span 3 of them
     assert sorted(np.asarray(eng.pool.exact_owner)[:3]) == sorted(eng.pages[0][7:])
     eng.positions = False
-    eng.step({1: 40}, H)  # without positions every page written borrows one (the ring keeps the last)
+    eng.step({1: 40}, H, bucket=40)  # without positions every page written borrows one (the ring keeps the last)
     assert int((np.asarray(eng.pool.exact_owner) >= 0).sum()) == pool.config.exact_pages
 
 
@@ -324,8 +324,8 @@ def test_write_and_attend_reject_bad_shapes(small):
         ragged.attend(small, np.zeros((1, 3, D), np.float32), *args)
     with pytest.raises(ValueError, match="RPA arguments"):
         ragged.attend(small, np.zeros((1, 2, D), np.float32), args[0], args[1], np.array([0, 1, 1], np.int32), args[3])
-    with pytest.raises(ValueError, match="sliding_window=3 runs on the XLA loop only"):
-        ragged.attend(small, np.zeros((1, 2, D), np.float32), *args, sliding_window=3, impl="pallas_tpu")
+    with pytest.raises(ValueError, match="`sliding_window` must be None or an int >= 1"):
+        ragged.attend(small, np.zeros((1, 2, D), np.float32), *args, sliding_window=0)
     with pytest.raises(ValueError, match="`impl` must be one of"):
         ragged.attend(small, np.zeros((1, 2, D), np.float32), *args, impl="cuda")
 
@@ -336,3 +336,68 @@ def test_norm_overflow_raises_eagerly(small):
     with pytest.raises(tq_jax.NormOverflowError, match="1 written vector"):
         ragged.write(small, k, k, np.array([0, 1], np.int32))
     ragged.write(small, k, k, np.array([0, -1], np.int32))  # a padding token is not stored: no error
+
+
+# --------------------------------------------------------------------------- docs
+
+
+@pytest.mark.slow  # a bfloat16 pool of its own: compiles write and attend again
+def test_the_docs_snippet_runs_and_the_docstring_examples_hold(capsys):
+    import doctest
+    import os
+    import re
+
+    from tq_jax.kvcache import pool as pool_module
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "kvcache.md"), encoding="utf-8") as f:
+        page = f.read()
+    section = page[page.index("## Ragged paged attention (engine-facing form)"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    exec(compile(code, "docs/kvcache.md", "exec"), {})
+    assert capsys.readouterr().out.strip() == "(25, 6, 64) float32"
+    assert doctest.testmod(pool_module).failed == 0
+
+
+@pytest.mark.slow  # a fresh process with 4 forced host devices (seconds)
+def test_shard_map_over_kv_heads_on_four_devices_matches_one_device():
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import Mesh, PartitionSpec as P
+        from tq_jax.kvcache import ragged
+        assert len(jax.devices()) == 4
+        rng = np.random.default_rng(6)
+        pool = ragged.init_pool(16, 8, 8, 64, dtype=jnp.float32, window=8, sinks=2, max_seqs=2)
+        k = rng.standard_normal((20, 8, 64)).astype(np.float32)
+        v = rng.standard_normal((20, 8, 64)).astype(np.float32)
+        pos = np.r_[np.arange(13), np.arange(7)].astype(np.int32)
+        pages = np.array([[3, 9, 0], [12, 0, 0]], np.int32)
+        slots = np.r_[pages[0, pos[:13] // 8] * 8 + pos[:13] % 8, pages[1, pos[13:] // 8] * 8 + pos[13:] % 8].astype(np.int32)
+        q = rng.standard_normal((20, 16, 64)).astype(np.float32)
+        args = (np.array([13, 7], np.int32), pages, np.array([0, 13, 20], np.int32), np.array([2], np.int32))
+        mesh = Mesh(np.array(jax.devices()), ("h",))
+        heads = P(None, None, "h")
+        spec = ragged.Pool(config=pool.config, k_codes=heads, k_norms=heads, v_codes=heads, v_norms=heads,
+                           exact_k=heads, exact_v=heads, exact_valid=P(), exact_of=P(), exact_owner=P(),
+                           exact_next=P(), sink_k=heads, sink_v=heads, sink_valid=P(), sink_of=P(), sink_owner=P())
+        kv = P(None, "h")
+        wr = jax.jit(jax.shard_map(lambda p, k, v, s, ps: ragged.write(p, k, v, s, positions=ps), mesh=mesh,
+                                   in_specs=(spec, kv, kv, P(), P()), out_specs=spec))
+        at = jax.jit(jax.shard_map(ragged.attend, mesh=mesh, in_specs=(spec, kv, P(), P(), P(), P()), out_specs=kv))
+        sharded = wr(pool, k, v, slots, pos)
+        one = ragged.write(pool, k, v, slots, positions=pos)
+        np.testing.assert_array_equal(np.asarray(sharded.k_codes), np.asarray(one.k_codes))
+        np.testing.assert_allclose(np.asarray(at(sharded, q, *args)), np.asarray(ragged.attend(one, q, *args)),
+                                   rtol=1e-6, atol=1e-6)
+        print("ok")
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]

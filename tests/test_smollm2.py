@@ -195,6 +195,36 @@ def test_init_cache_passes_kvcache_keywords_through():
         caches.init_cache(cfg, "bf16", 1, 8, key_bits=4)
 
 
+def test_ragged_kind_drives_the_pool_as_an_engine_and_matches_the_tq_kind():
+    """The example's "ragged" cache: init_pool's keywords pass through, and a tiny random
+    model's prefill and decode steps give the "tq" kind's logits (the same codes and
+    attention, read through ragged.write/attend) to float32 rounding."""
+    import jax
+    import jax.numpy as jnp
+
+    from tq_jax.kvcache import ragged
+
+    cfg = model.LlamaConfig(64, 64, 2, 4, 2, 32, 64, 10000.0, 1e-5, 128, True)
+    rng = np.random.default_rng(0)
+    w = lambda *shape: jnp.asarray(rng.standard_normal(shape) * 0.2, jnp.float32)  # noqa: E731
+    layer = dict(attn_norm=w(2, 64) + 1, wq=w(2, 64, 128), wk=w(2, 64, 64), wv=w(2, 64, 64), wo=w(2, 128, 64),
+                 mlp_norm=w(2, 64) + 1, w_gate=w(2, 64, 64), w_up=w(2, 64, 64), w_down=w(2, 64, 64))
+    params = dict(embed=w(128, 64), layers=layer, norm=w(64) + 1)
+    stack = caches.init_cache(cfg, "ragged", 2, 40, options="turbo-3.5", window=8, sinks=2, page_size=8)
+    assert stack.pool.config == ragged.init_pool(10, 8, 2, 32, "turbo-3.5", window=8, sinks=2, max_seqs=2).config
+    step = jax.jit(caches.make_step(cfg))
+    tokens = jnp.asarray(rng.integers(0, 128, (2, 13)), jnp.int32)
+    out = {}
+    for kind in ("tq", "ragged"):
+        cache = caches.init_cache(cfg, kind, 2, 40, options="turbo-3.5", window=8, sinks=2, page_size=8, dtype=jnp.float32)
+        a, cache = step(params, cache, tokens[:, :11])
+        b, cache = step(params, cache, tokens[:, 11:12])
+        c, cache = step(params, cache, tokens[:, 12:])
+        out[kind] = np.concatenate([np.asarray(x) for x in (a, b, c)], axis=1)
+        assert np.asarray(caches.cache_lengths(cache)).tolist() == [13, 13]
+    np.testing.assert_allclose(out["ragged"], out["tq"], rtol=1e-4, atol=1e-4 * np.abs(out["tq"]).max())
+
+
 def test_blocked_se_matches_independent_blocks():
     """Blocks of constant values: the SE is the SE of the block means, independent of
     how many tokens each block holds."""
@@ -314,6 +344,8 @@ def _decode_logits(params, cfg, ids, kind, **settings):
         # these 80 positions; a wrong position, rotation or cache slot costs whole nats.
         ("tq", {"key_bits": 4, "value_bits": 4, "window": 0, "sinks": 0}, 0.25),
         ("tq", {"key_bits": 4, "value_bits": 3, "window": 0, "sinks": 0}, 0.3),
+        # the engine-facing form (tq_jax.kvcache.ragged) with its default window and sinks
+        ("ragged", {"key_bits": 4, "value_bits": 4}, 0.25),
     ],
 )
 def test_cached_decode_tracks_forward(smollm2, reference_logits, kind, settings, max_nll_increase):

@@ -11,6 +11,12 @@ axis), scanned over with ``lax.scan``:
   :func:`init_cache` passes its keyword arguments to ``kvcache.init`` unchanged
   (``options=``/a preset name, ``key_bits=``, ``window=``, ``sinks=``, ...), so a new
   cache setting needs no edit here.
+* ``"ragged"``: :class:`RaggedCache`, the engine-facing form (``tq_jax.kvcache.ragged``)
+  driven as a serving engine drives it: a pool of code pages per layer, a page table
+  (here each sequence owns a fixed run of pages), ``ragged.write`` of the flat batch of
+  new tokens to their slots and ``ragged.attend`` with the RPA arguments. The keyword
+  arguments go to ``ragged.init_pool`` (``options``, ``window``, ``sinks``,
+  ``page_size``: default 16).
 
 ::
 
@@ -24,7 +30,8 @@ A cache *spec* is the benchmark's name for one cache (:func:`parse_spec`):
 ``bf16``, ``tq`` (``kvcache.init``'s defaults), ``tq:4/4`` (key/value bits),
 ``tq:turbo-3.5`` (a preset name, passed as ``options=``), each optionally followed by
 ``,window=R,sinks=S,rotation=hadamard,seed=7,norm_correction=true`` (any
-``kvcache.init`` keyword with an int, true/false or string value).
+``kvcache.init`` keyword with an int, true/false or string value); ``ragged``,
+``ragged:4/4``, ``ragged:turbo-4`` likewise (``ragged.init_pool``'s keywords).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import numpy as np
 from jax import lax
 
 from tq_jax import kvcache
+from tq_jax.kvcache import ragged
 
 from .model import LlamaConfig, decoder_layer, output_logits
 
@@ -131,7 +139,31 @@ def _tq_append_attend(cache, q, k, v):
     return kvcache.attend(cache, q), cache
 
 
-KINDS = ("bf16", "tq")
+class RaggedCache(NamedTuple):
+    """The engine-facing pool for every layer (stacked on axis 0), with the bookkeeping an
+    engine keeps: each sequence's length and page table (the same in every layer)."""
+
+    pool: ragged.Pool  # leaves [L, ...]
+    lengths: jax.Array  # int32 [L, B]
+    pages: jax.Array  # int32 [L, B, pages_per_seq]
+
+
+def _ragged_append_attend(cache: RaggedCache, q, k, v):
+    """One layer as an engine runs it: the new tokens ``[B, T]`` flattened into one batch,
+    written to the slots of their positions, then ragged paged attention of their queries."""
+    b, t, hq, d = q.shape
+    ps = cache.pool.config.page_size
+    pos = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
+    slot = jnp.take_along_axis(cache.pages, pos // ps, axis=1) * ps + pos % ps
+    flat = lambda x: x.reshape(b * t, *x.shape[2:])  # noqa: E731
+    pool = ragged.write(cache.pool, flat(k), flat(v), slot.reshape(-1), positions=pos.reshape(-1))
+    lengths = cache.lengths + t
+    cu = jnp.arange(b + 1, dtype=jnp.int32) * t
+    out = ragged.attend(pool, flat(q), lengths, cache.pages, cu, jnp.array([b], jnp.int32))
+    return out.reshape(b, t, hq, d), RaggedCache(pool, lengths, cache.pages)
+
+
+KINDS = ("bf16", "tq", "ragged")
 
 
 def init_cache(cfg: LlamaConfig, kind: str, batch: int, max_len: int, **kvcache_kwargs):
@@ -168,6 +200,13 @@ def init_cache(cfg: LlamaConfig, kind: str, batch: int, max_len: int, **kvcache_
                 "norm_correction, window, sinks, page_size, ...)."
             ) from e
         return jax.tree.map(lambda x: jnp.broadcast_to(x, (cfg.layers, *x.shape)).copy(), one)
+    if kind == "ragged":
+        page_size = kvcache_kwargs.pop("page_size", 16)
+        pps = -(-max_len // page_size)
+        one = ragged.init_pool(batch * pps, page_size, cfg.kv_heads, cfg.head_dim, max_seqs=batch, **kvcache_kwargs)
+        pages = jnp.arange(batch * pps, dtype=jnp.int32).reshape(batch, pps)
+        stack = lambda x: jnp.broadcast_to(x, (cfg.layers, *x.shape)).copy()  # noqa: E731
+        return RaggedCache(jax.tree.map(stack, one), stack(jnp.zeros((batch,), jnp.int32)), stack(pages))
     raise ValueError(f"`kind` must be one of {KINDS}, got {kind!r}.")
 
 
@@ -215,9 +254,11 @@ def make_step(cfg: LlamaConfig, *, last_only: bool = False):
             (h, cache), _ = lax.scan(body, (h, cache), (params["layers"], jnp.arange(cfg.layers)))
         else:
 
+            layer_fn = _ragged_append_attend if isinstance(cache, RaggedCache) else _tq_append_attend
+
             def body(h, xs):
                 p, c = xs
-                return decoder_layer(cfg, h, p, pos, lambda q, k, v: _tq_append_attend(c, q, k, v))
+                return decoder_layer(cfg, h, p, pos, lambda q, k, v: layer_fn(c, q, k, v))
 
             h, cache = lax.scan(body, h, (params["layers"], cache))
         if last_only:
@@ -280,7 +321,7 @@ class CacheSpec:
     def with_settings(self, **defaults) -> "CacheSpec":
         """This spec with ``defaults`` added where it does not set them itself (a
         ``"tq"`` spec only; values of None are dropped). The label lists what was added."""
-        if self.kind != "tq":
+        if self.kind == "bf16":
             return self
         own = self.settings
         add = {k: v for k, v in defaults.items() if v is not None and k not in own}
@@ -315,7 +356,7 @@ def parse_spec(text: str) -> CacheSpec:
         if conf or extras:
             raise ValueError(f"cache spec {text!r}: the bf16 cache takes no settings ({SPEC_HELP}).")
         return CacheSpec("bf16", "bf16")
-    if kind != "tq":
+    if kind not in ("tq", "ragged"):
         raise ValueError(f"cache spec {text!r}: unknown kind {kind!r}, expected one of {KINDS} ({SPEC_HELP}).")
     if conf:
         m = _BITS.match(conf)
@@ -331,4 +372,4 @@ def parse_spec(text: str) -> CacheSpec:
         if not eq or not name.isidentifier():
             raise ValueError(f"cache spec {text!r}: {extra!r} is not name=value ({SPEC_HELP}).")
         kwargs[name] = int(value) if _INT.match(value) else _BOOLS.get(value.lower(), value)
-    return CacheSpec(text.strip(), "tq", tuple(kwargs.items()))
+    return CacheSpec(text.strip(), kind, tuple(kwargs.items()))

@@ -46,7 +46,10 @@ Modules, one per seam: :mod:`~tq_jax.kvcache.state` (config, leaves, :func:`init
 :mod:`~tq_jax.kvcache.write` (:func:`append`) → :mod:`~tq_jax.kvcache.scoring` (what
 every attention kernel shares) → :mod:`~tq_jax.kvcache.xla` and
 :mod:`~tq_jax.kvcache.pallas_tpu` (the kernels) → :mod:`~tq_jax.kvcache.attention`
-(:func:`attend`); :mod:`~tq_jax.kvcache.blobs` (:func:`export`, :func:`load`).
+(:func:`attend`); :mod:`~tq_jax.kvcache.blobs` (:func:`export`, :func:`load`). The
+engine-facing form, for serving engines that own the page table and run ragged paged
+attention: :mod:`~tq_jax.kvcache.pool` (``init_pool``, ``write``) and
+:mod:`~tq_jax.kvcache.ragged` (``attend``, and the pool's names again).
 """
 
 from tq_jax.kvcache.attention import attend

@@ -44,12 +44,12 @@ def positions(cache: KVCache):
     return jnp.concatenate([sink, ring], axis=1), jnp.concatenate([sink_valid, ring_valid], axis=1)
 
 
-def dense(q, k, v, pos, valid, last, first=None):
+def dense(q, k, v, pos, valid, last, sliding_window=None):
     """``(m, l, acc)`` ``[B, H, R(, D)]``: a float32 softmax of ``q`` ``[B, Q, q_heads, D]``
     over exact tokens ``k``/``v`` ``[B, T, H, D]`` (any float dtype), rows as in
     :class:`~tq_jax.kvcache.scoring.Query` (row ``g*Q + i``: query head ``h*G + g``,
-    query ``i``). Token ``t`` counts for row ``r`` iff ``valid[b, t]`` and ``first[b, r]
-    <= pos[b, t] <= last[b, r]`` (no lower bound without ``first``); ``acc`` is in natural
+    query ``i``). Token ``t`` counts for row ``r`` iff ``valid[b, t]`` and ``pos[b, t] <=
+    last[b, r]``, and, with a ``sliding_window`` ``W``, ``pos[b, t] > last[b, r] - W``; ``acc`` is in natural
     order, and ``v`` of a slot that does not count is never read (it may hold anything)."""
     batch, q_len, q_heads, dim = q.shape
     heads = k.shape[2]
@@ -58,8 +58,8 @@ def dense(q, k, v, pos, valid, last, first=None):
     qn = qn.transpose(0, 2, 3, 1, 4).reshape(batch, heads, group * q_len, dim)
     s = jnp.einsum("bhrd,bthd->bhrt", qn, k.astype(jnp.float32), precision=_HI)
     mask = valid[:, None, :] & (pos[:, None, :] <= last[:, :, None])  # [B, R, T]
-    if first is not None:
-        mask &= pos[:, None, :] >= first[:, :, None]
+    if sliding_window:
+        mask &= pos[:, None, :] > last[:, :, None] - sliding_window
     mask = mask[:, None]  # [B, 1, R, T]
     s = jnp.where(mask, s, -jnp.inf)
     m = jnp.max(s, axis=-1)
@@ -74,7 +74,7 @@ def partial(cache: KVCache, q, query: _scoring.Query):
     k = jnp.concatenate([cache.k_sinks, cache.k_window], axis=1)  # [B, T, H, D]
     v = jnp.concatenate([cache.v_sinks, cache.v_window], axis=1)
     pos, valid = positions(cache)
-    return dense(q, k, v, pos, valid, query.last, query.first)
+    return dense(q, k, v, pos, valid, query.last, query.sliding_window)
 
 
 def finish(cache: KVCache, q, query: _scoring.Query, m, l, acc):

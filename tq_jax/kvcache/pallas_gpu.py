@@ -315,6 +315,8 @@ def _kernel(hi_ref, lo_ref, table_ref, last_ref, q_ref, kc_ref, kn_ref, vc_ref, 
             part = _mm(qi, k, trans_b=True, precision=precision)  # [Rp, T]
             sc = part if sc is None else sc + part
         mask = coded[None, :] & (tok[None, :] <= last[:, None])  # [Rp, T]
+        if st["sliding"]:  # a sliding window: nothing at or below last - W
+            mask &= tok[None, :] > last[:, None] - st["sliding"]
         sc = jnp.where(mask, sc * kn[None, :], -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(sc, axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no token seen yet
@@ -421,7 +423,7 @@ def partial(cache: KVCache, query: _scoring.Query, *, interpret: bool, tuning: T
     st = dict(
         block=blk, page=page, pps=pps, chunk=chunk, sinks=sinks, kbits=cfg.key_bits, vbits=cfg.value_bits,
         gk=gk, gv=gv, pgk=pgk, pgv=pgv, wv=wv, lookup=tuning.lookup, precision=precision, splits=ns,
-        kc=ktab, vc=vtab, dtype=cdt,
+        kc=ktab, vc=vtab, dtype=cdt, sliding=query.sliding_window,
     )
     whole = lambda a: pl.BlockSpec(a.shape, lambda b, h, s, n=a.ndim: (0,) * n)  # noqa: E731
     inputs = [hi.astype(jnp.int32), sink_lo.astype(jnp.int32), cache.page_table, last, qp, kc, kn, vc, vn]

@@ -49,7 +49,7 @@ def _select_lookup(idx, centroids: np.ndarray, bits: int):
 
 def _kernel(
     lengths_ref, hi_ref, sink_lo_ref, table_ref, *refs, cfg: CacheConfig, unit: int, q_len: int, nk: int, nv: int,
-    kc, vc, dim: int
+    kc, vc, dim: int, sliding: int | None = None
 ):
     """One unit of one sequence. Refs (after the two scalar-prefetch ones): the ``nk``
     planar query slices ``[H, R, D/nk]``, codes ``[unit, H, rk]``, norms ``[unit, H]``
@@ -79,6 +79,8 @@ def _kernel(
         tok = t0 + lax.broadcasted_iota(jnp.int32, (rows, unit), 1)
         last = length - q_len + lax.broadcasted_iota(jnp.int32, (rows, unit), 0) % q_len
         mask = ((tok <= last) & coded(tok))[None]  # [1, R, unit]
+        if sliding:  # a sliding window: nothing at or below last - W
+            mask &= (tok > last - sliding)[None]
         present = coded(t0 + lax.broadcasted_iota(jnp.int32, (unit, 1), 0))  # [unit, 1]
         kn = jnp.where(present, kn_ref[...].astype(jnp.float32), 0.0).T  # [H, unit]
         vn = jnp.where(present, vn_ref[...].astype(jnp.float32), 0.0).T
@@ -136,7 +138,8 @@ def partial(cache: KVCache, query: _scoring.Query, *, interpret: bool):
     out_shape = [jax.ShapeDtypeStruct((batch, heads, rows), jnp.float32)] * 2 + [
         jax.ShapeDtypeStruct((batch, heads, rows, dim // nv), jnp.float32)
     ] * nv
-    kernel = functools.partial(_kernel, cfg=cfg, unit=unit, q_len=query.q_len, nk=nk, nv=nv, kc=kc, vc=vc, dim=dim)
+    kernel = functools.partial(_kernel, cfg=cfg, unit=unit, q_len=query.q_len, nk=nk, nv=nv, kc=kc, vc=vc, dim=dim,
+                               sliding=query.sliding_window)
     m, l, *acc = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(

@@ -85,8 +85,8 @@ class Query(NamedTuple):
 
     Token ``t`` of sequence ``b`` is read from codes by row ``r`` iff ``t <= last[b, r]``
     (causal), ``t < hi[b]`` (older than the exact window), ``t < sink_lo[b] or
-    t >= sinks`` (not an exact sink) and, when ``first`` is given (a sliding window),
-    ``t >= first[b, r]``; the rest of what a row sees is exact
+    t >= sinks`` (not an exact sink) and, with a ``sliding_window`` ``W``, ``t > last[b, r]
+    - W``; the rest of what a row sees is exact
     (:mod:`tq_jax.kvcache.exact`).
     """
 
@@ -97,7 +97,7 @@ class Query(NamedTuple):
     sink_lo: "Int32[Array, ' B']"  # sinks from here up to config.sinks are exact
     sinks: int  # config.sinks
     q_len: int  # queries per sequence
-    first: "Int32[Array, 'B GQ'] | None" = None  # the first position row r sees (a sliding window); None: 0
+    sliding_window: int | None = None  # a row sees no position at or below last - sliding_window
 
 
 def coded_end(cache: KVCache):
@@ -138,8 +138,8 @@ def coded_mask(query: Query, tok, b=None):
     mask = (tok <= rows(last)) & (tok < hi)
     if query.sinks:
         mask &= (tok < lo) | (tok >= query.sinks)
-    if query.first is not None:
-        mask &= tok >= rows(sel(query.first))
+    if query.sliding_window:
+        mask &= tok > rows(last) - query.sliding_window
     return mask
 
 

@@ -22,7 +22,7 @@ from tq_jax import wire as _wire
 if TYPE_CHECKING:  # annotations only; jaxtyping is not a runtime dependency
     from jaxtyping import Array, Float, Int32, UInt8
 
-__all__ = ["CacheConfig", "KVCache", "init", "nbytes", "BLOCK_BYTES", "BLOCK_TOKENS", "MIN_BLOCK_TOKENS",
+__all__ = ["CacheConfig", "Codecs", "KVCache", "init", "nbytes", "BLOCK_BYTES", "BLOCK_TOKENS", "MIN_BLOCK_TOKENS",
            "DEFAULT_WINDOW", "DEFAULT_SINKS", "LOW_BITS_WINDOW",
            "default_window", "default_block_tokens", "positive_int", "power_of_two", "token_count", "resolve_options",
            "check_layout", "WINDOW_WHY", "SINKS_WHY"]
@@ -61,8 +61,22 @@ def default_window(key_bits: int, value_bits: int) -> int:
 SINKS_WHY = "the first tokens of each sequence that attend reads exactly; at most max_len."
 
 
+class Codecs:
+    """The codec configs of a cache's keys and values, for any config with ``head_dim``,
+    ``key_bits``, ``value_bits``, ``seed`` and ``rotation`` (:class:`CacheConfig`,
+    :class:`tq_jax.kvcache.pool.PoolConfig`)."""
+
+    @property
+    def key_codec(self) -> _codec.CodecConfig:
+        return _codec.CodecConfig(self.head_dim, self.key_bits, self.seed, self.rotation)
+
+    @property
+    def value_codec(self) -> _codec.CodecConfig:
+        return _codec.CodecConfig(self.head_dim, self.value_bits, self.seed, self.rotation)
+
+
 @dataclasses.dataclass(frozen=True)
-class CacheConfig:
+class CacheConfig(Codecs):
     """Everything static about a cache: plain hashable scalars (pytree aux data).
 
     Attributes:
@@ -115,14 +129,6 @@ class CacheConfig:
     def pages_per_seq(self) -> int:
         """Columns of the page table: pages one sequence may own."""
         return -(-self.max_len // self.page_tokens)
-
-    @property
-    def key_codec(self) -> _codec.CodecConfig:
-        return _codec.CodecConfig(self.head_dim, self.key_bits, self.seed, self.rotation)
-
-    @property
-    def value_codec(self) -> _codec.CodecConfig:
-        return _codec.CodecConfig(self.head_dim, self.value_bits, self.seed, self.rotation)
 
     @property
     def exact(self) -> bool:

@@ -104,7 +104,7 @@ def quantize(config, k, v):
 
     ``config`` is a :class:`~tq_jax.kvcache.CacheConfig` or any config with its
     ``dtype``, ``key_codec``, ``value_codec`` and ``norm_correction``
-    (:class:`tq_jax.kvcache.ragged.PoolConfig`).
+    (:class:`tq_jax.kvcache.pool.PoolConfig`).
     """
     dt = jnp.dtype(config.dtype)
     k = k if k.dtype == dt else k.astype(dt)
