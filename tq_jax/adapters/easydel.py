@@ -24,7 +24,7 @@ otherwise calls EasyDeL's code unchanged (:func:`install`; :func:`uninstall` und
 1. ``EasyGenerationMixin._create_standard_ragged_page_cache_config``: for a model that
    carries settings (:func:`use`), the ragged cache config is a :class:`CodesCacheConfig`.
 2. ``RaggedPagesCacheView.init``: a :class:`CodesCacheConfig` gives a :class:`CodesCacheView`.
-3. ``_RaggedPageAttn.forward_native`` (the ``ragged_page_attention_v3``/``_v2`` operation):
+3. ``_RaggedPageAttn.forward_native`` (the ``ragged_page_attention_v3`` operation's):
    a :class:`CodesCacheView` is attended by :func:`tq_jax.kvcache.ragged.attend`. This is
    where EasyDeL dispatches its own ``TurboQuantRaggedPagesCacheView``, one level down.
 
@@ -44,6 +44,7 @@ import numpy as np
 
 from tq_jax import options as _options
 from tq_jax.kvcache import ragged
+from tq_jax.kvcache import state as _kv_state
 
 __all__ = ["EASYDEL_VERSION", "CONFIG_KEY", "CodesCacheConfig", "CodesCacheView", "install", "uninstall",
            "installed", "use", "settings", "rpa_slots", "cache_nbytes"]
@@ -75,13 +76,12 @@ from eformer.pytree import auto_pytree, field  # noqa: E402
 NO_METADATA = (
     "tq_jax's cache was called without ragged paged attention metadata (page tables, KV lengths, query starts): "
     "EasyDeL {version}'s model.generate does not build it, and fails the same way on EasyDeL's own ragged cache. "
-    "Generate with eSurge (ed.eSurge(model=model, ...) or model.esurge_generate(...)), which drives the cache, or "
-    "remove the settings (tq_easydel.use(model, False)) and load the model with attn_mechanism='vanilla' for "
-    "model.generate."
+    "Generate with eSurge (ed.eSurge(model=model, ...)), which drives the cache; or, for model.generate, remove "
+    "the settings (tq_easydel.use(model, False)) and load the model with attn_mechanism='vanilla'."
 )
 UNSUPPORTED = (
     "{what} is not supported by tq_jax's ragged attention (tq_jax.kvcache.ragged.attend takes a softmax scale and "
-    "a sliding window only); serve this model with EasyDeL's own cache (tq_easydel.use(model, None) undoes the "
+    "a sliding window only); serve this model with EasyDeL's own cache (tq_easydel.use(model, False) removes the "
     "settings)."
 )
 
@@ -118,18 +118,8 @@ def settings(options=None, *, window: int | None = None, sinks: int | None = Non
 
 
 def _options_of(options) -> _options.Options:
-    if isinstance(options, dict):
-        return _options.Options(**options)
-    if options is None:
-        return _options.Options(key_bits=4, value_bits=4)
-    if isinstance(options, str):
-        if options not in _options.PRESETS:
-            raise ValueError(f"`options` names no preset: {options!r}. Presets: {sorted(_options.PRESETS)}; or pass "
-                             f"a tq_jax.Options, or None for 4-bit keys and values.")
-        return _options.Options(**_options.PRESETS[options])
-    if isinstance(options, _options.Options):
-        return options
-    raise ValueError(f"`options` must be None, a preset name or a tq_jax.Options, got {type(options).__name__}.")
+    """``options`` as :func:`tq_jax.kvcache.init` takes them, or a stored :func:`settings` dict."""
+    return _options.Options(**options) if isinstance(options, dict) else _kv_state.resolve_options(options, {})
 
 
 def use(model, options=None, **kwargs):
@@ -137,8 +127,8 @@ def use(model, options=None, **kwargs):
     text config (``options=False`` removes them). Returns ``model``.
 
     The model's ``attn_mechanism`` must be ``ragged_page_attention_v3`` (eSurge's default
-    on CPU and TPU; on GPU pass it explicitly) or ``ragged_page_attention_v2``. Call it
-    before building the eSurge engine, which sizes the cache when it starts.
+    on CPU and TPU; on GPU pass it explicitly). Call it before building the eSurge engine,
+    which sizes the cache when it starts.
 
     Raises:
         ValueError: another attention mechanism, EasyDeL's own TurboQuant configured as
@@ -151,7 +141,7 @@ def use(model, options=None, **kwargs):
         return model
     attn = getattr(text, "attn_mechanism", None)
     attn = getattr(attn, "value", attn)
-    if attn not in ("ragged_page_attention_v3", "ragged_page_attention_v2"):
+    if attn != "ragged_page_attention_v3":
         raise ValueError(
             f"tq_jax's cache serves EasyDeL's ragged paged attention, but this model's attn_mechanism is {attn!r}: "
             f"load it with config_kwargs=ed.EasyDeLBaseConfigDict(attn_mechanism='ragged_page_attention_v3')."
@@ -202,8 +192,8 @@ def _codes_config(base, values: dict) -> CodesCacheConfig:
                               max_seqs=values["max_seqs"])
     num_pages = values["num_pages"]
     if num_pages is None:
-        shape, _ = base.get_shape_and_axes()
-        budget = int(np.prod(shape)) // base.num_pages * jnp.dtype(base.kvdtype).itemsize * base.num_pages
+        shape, _ = base.get_shape_and_axes()  # one layer's bfloat16 pages
+        budget = int(np.prod(shape)) * jnp.dtype(base.kvdtype).itemsize
         n = base.num_pages
         per_page = _pool_bytes(n + 1, config) - _pool_bytes(n, config)
         fixed = _pool_bytes(n, config) - n * per_page
