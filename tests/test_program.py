@@ -55,15 +55,19 @@ MATRIX = sweep(
 def assert_decoded_like(got, want):
     """The program's decoded values against the host path's: equal, except that XLA may
     order a float32 sum differently inside the program (tq_jax.program's docstring):
-    then at most 1 element in 1,000 differs, by float32 rounding of its row's norm
-    plus one unit in the last place of the output dtype (a rounding boundary crossed)."""
+    then elements differ by float32 rounding of their row's norm plus one unit in the
+    last place of the output dtype. In a 16-bit output that shows only where a rounding
+    boundary is crossed: at most 1 element in 1,000. A float32 output shows every such
+    difference: none under jax 0.10.2, about 1 in 8 under jax 0.9.2 for 3-bit Hadamard
+    rows at head_dim 128, each within one float32 rounding."""
     dtype = np.asarray(got).dtype
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     assert got.shape == want.shape
     diff = got != want
     if not diff.any():
         return
-    assert diff.mean() <= 1e-3, f"{int(diff.sum())} of {diff.size} values differ"
+    if dtype != np.float32:
+        assert diff.mean() <= 1e-3, f"{int(diff.sum())} of {diff.size} values differ"
     ulp = {np.dtype(jnp.bfloat16): 2.0**-7, np.dtype(np.float16): 2.0**-10}.get(dtype, 2.0**-23)
     scale = np.linalg.norm(want.reshape(-1, want.shape[-1]), axis=-1, keepdims=True)
     err = np.abs(got - want).reshape(scale.shape[0], -1)

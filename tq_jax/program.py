@@ -28,8 +28,9 @@ What stays on the host, and why:
 The blocks are those of the host path, so on the CPU backend the blobs are the host
 path's byte for byte (tests/test_program.py). Decoded values are the host path's too,
 except that XLA may order a float32 sum differently inside this program than in the
-block decoder: rare elements then differ at float32 rounding of their vector's norm
-(seen for 3-bit Hadamard rows at head_dim 128 decoded to bfloat16: 4 of 49,152). On an accelerator the default block is
+block decoder: elements then differ at float32 rounding of their vector's norm (seen
+for 3-bit Hadamard rows at head_dim 128: decoded to bfloat16, 4 of 49,152; decoded to
+float32 under jax 0.9.2's XLA, about 1 in 8, under 0.10.2 none). On an accelerator the default block is
 larger (:data:`DEVICE_BLOCK_COORDS`: fewer, fuller loop iterations). Offsets are
 int32 inside the program, so a blob of 2 GiB or more (and a tensor of 2**31 rows or
 more) takes the block executor instead (:func:`fits`).
