@@ -391,9 +391,10 @@ def _leading_pads(model, input_ids, pad_token_id, attention_mask, mask_info) -> 
     return starts.astype(np.int32)
 
 
-def _sequence_cache(model, values: dict, batch_size: int, max_length: int, starts):
+def _sequence_cache(model, values: dict, batch_size: int, max_length: int, starts, dtype=None):
     """``model.generate``'s cache: a HybridCache of :class:`SequenceCacheView`, one
-    :func:`tq_jax.kvcache.init` cache of ``max_length`` tokens per layer."""
+    :func:`tq_jax.kvcache.init` cache of ``max_length`` tokens per layer, exact tokens in
+    ``dtype`` (default the model's ``kvdtype``)."""
     from easydel.caching import HybridCache
 
     text = model.config.get_text_config()
@@ -401,7 +402,7 @@ def _sequence_cache(model, values: dict, batch_size: int, max_length: int, start
         if view is not RaggedPagesCacheView:
             raise ValueError(NOT_ATTENTION_ONLY.format(layer=layer, view=getattr(view, "__name__", view)))
     heads, head_dim = _ed_generation._resolve_standard_ragged_layer_geometry(text_config=text, layer_idx=None)
-    dtype = text.kvdtype
+    dtype = text.kvdtype if dtype is None else dtype
     dtype = getattr(jnp, dtype) if isinstance(dtype, str) else dtype
     clip = lambda n: None if n is None else min(int(n), int(max_length))  # noqa: E731
     pads = jnp.zeros((batch_size,), jnp.int32) if starts is None else \
@@ -492,7 +493,7 @@ def install() -> None:
         values = _settings_of(self)
         if values is None or kwargs.get("ragged_config") is not None or kwargs.get("unified_config") is not None:
             return init_cache(self, batch_size, max_length, **kwargs)
-        return _sequence_cache(self, values, batch_size, max_length, kwargs.get("starts"))
+        return _sequence_cache(self, values, batch_size, max_length, kwargs.get("starts"), kwargs.get("dtype"))
 
     @functools.wraps(prepare)
     def prepare_inputs_for_generation(self, input_ids, max_length, pad_token_id, starts=None, shardings=None,
