@@ -1,5 +1,6 @@
 """tq_jax.adapters.easydel against EasyDeL itself: a tiny Llama built by EasyDeL, attended
-over tq_jax's pool, checked against the same model on EasyDeL's own bfloat16 cache.
+over tq_jax's pool (eSurge's steps) and tq_jax.kvcache (model.generate's), checked against
+the same model on EasyDeL's own bfloat16 cache.
 
 These tests need the easydel environment (easydel 0.3.0 pins jax 0.9): in any other
 environment they skip, naming the install command. CI runs them in one (README).
@@ -22,9 +23,11 @@ except ImportError as e:  # easydel missing (or another version): the message na
 import easydel as ed  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import tq_jax  # noqa: E402
 from easydel.caching import RaggedPagesMetadata  # noqa: E402
 from easydel.utils import set_inference_mode  # noqa: E402
 from flax import nnx  # noqa: E402
+from tq_jax import kvcache  # noqa: E402
 
 PAGE = 16
 VOCAB = 96
@@ -128,18 +131,6 @@ def test_the_codes_cache_spends_the_bf16_budget_and_uninstall_restores(model):
     tq_easydel.install()
 
 
-def test_model_generate_names_esurge(model):
-    """EasyDeL's model.generate builds no ragged metadata (its own ragged cache fails on it
-    too): the pool says so and names eSurge, rather than failing on a None."""
-    from transformers import GenerationConfig
-
-    ours = tq_easydel.use(variant(model), "turbo-4", max_seqs=2)
-    ids = jnp.asarray(np.random.default_rng(0).integers(1, VOCAB, (1, 12)), jnp.int32)
-    with ours.mesh, pytest.raises(ValueError, match=r"model\.generate does not build it.*eSurge"):
-        ours.generate(ids, generation_config=GenerationConfig(max_new_tokens=2, do_sample=False, pad_token_id=0,
-                                                              eos_token_id=0))
-
-
 # --------------------------------------------------------------------------- in the model
 
 
@@ -223,6 +214,227 @@ def test_codes_only_stay_close_to_easydel_bf16_cache(model, tokens, reference):
     d_exact, d_coded = _probs_distance(exact, reference), _probs_distance(coded, reference)
     assert 2 * d_exact < d_coded < 0.1
     assert (_flips(coded, reference) < 0.1).all()
+
+
+# --------------------------------------------------------------------------- in model.generate
+
+
+PADS = 3  # row 1 of the generate prompt is left-padded by this many tokens
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    """Two prompts of 12 columns for model.generate: row 1 left-padded (pad id 0, masked),
+    and a 5-token continuation fed back as teacher forcing."""
+    rng = np.random.default_rng(2)
+    ids = rng.integers(1, VOCAB, (2, 12)).astype(np.int32)
+    mask = np.ones_like(ids)
+    ids[1, :PADS], mask[1, :PADS] = 0, 0
+    return ids, mask, rng.integers(1, VOCAB, (2, 5)).astype(np.int32)
+
+
+def _forced(model, ids, mask, follow):
+    """model.generate's own steps (prepare_inputs_for_generation, then each step's call and
+    update_inputs_for_generation), fed ``follow`` instead of its argmax: every step's
+    next-token log-probs ``[batch, steps, vocab]`` and the cache at the end."""
+    out = []
+    with model.mesh:
+        kw = model.prepare_inputs_for_generation(jnp.asarray(ids), max_length=ids.shape[1] + follow.shape[1],
+                                                 pad_token_id=0, attention_mask=jnp.asarray(mask))
+        tok = jnp.asarray(ids)
+        for i in range(follow.shape[1] + 1):
+            o = model._call_generation_model_step(model, tok, kw)
+            out.append(np.asarray(jax.nn.log_softmax(o.logits[:, -1].astype(jnp.float32), -1)))
+            if i < follow.shape[1]:
+                kw = model.update_inputs_for_generation(o, kw)
+                tok = jnp.asarray(follow[:, i:i + 1])
+    return np.stack(out, 1), kw["past_key_values"]
+
+
+@pytest.fixture(scope="module")
+def generate_reference(model, prompt):
+    """EasyDeL's own generate path on its bfloat16 cache (attn_mechanism='vanilla': its
+    ragged mechanisms need eSurge's metadata)."""
+    return _forced(variant(model, attn_mechanism="vanilla"), *prompt)[0]
+
+
+@pytest.fixture(scope="module")
+def exact_runs(model, prompt):
+    """Each preset's generate log-probs with a window over every token, computed once."""
+    runs = {}
+
+    def run(options):
+        key = repr(options)
+        if key not in runs:
+            runs[key] = _forced(tq_easydel.use(variant(model), options, window=64, sinks=4), *prompt)
+        return runs[key]
+
+    return run
+
+
+def _generate_kwargs():
+    from transformers import GenerationConfig
+
+    return dict(generation_config=GenerationConfig(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=0))
+
+
+@pytest.mark.parametrize("options", [None, "turbo-4", "turbo-3.5", "turbo-2.5",
+                                     tq_jax.Options(key_bits=3, value_bits=4)],
+                         ids=["4/4", "turbo-4", "turbo-3.5", "turbo-2.5", "Options-K3V4"])
+def test_generate_exact_window_reproduces_easydel_bf16(exact_runs, generate_reference, prompt, options):
+    """Every preset, a window over every token (and a left-padded row): attention reads the
+    bf16 K/V exactly, so the log-probs are EasyDeL's up to bfloat16 rounding."""
+    got, cache = exact_runs(options)
+    assert all(isinstance(v, tq_easydel.SequenceCacheView) for v in cache.views)
+    n = prompt[0].shape[1] + prompt[2].shape[1]
+    assert np.asarray(cache.views[0].cache.lengths).tolist() == [n, n - PADS]  # the padding was dropped
+    assert np.abs(got - generate_reference).max() < 0.03
+    assert (_flips(got.reshape(-1, VOCAB), generate_reference.reshape(-1, VOCAB)) < 0.03).all()
+
+
+def test_generate_gives_easydel_bf16_tokens(model, prompt, generate_reference):
+    """model.generate itself (its traced while_loop), left padding included: the greedy
+    tokens of EasyDeL's bf16 generate, up to the first near-tie of its scores."""
+    ids, mask, _ = prompt
+    bf16 = variant(model, attn_mechanism="vanilla")
+    with bf16.mesh:
+        want = np.asarray(bf16.generate(jnp.asarray(ids), attention_mask=jnp.asarray(mask),
+                                        **_generate_kwargs()).sequences)
+    ours = tq_easydel.use(variant(model), "turbo-4", window=64)
+    with ours.mesh:
+        got = np.asarray(ours.generate(jnp.asarray(ids), attention_mask=jnp.asarray(mask),
+                                       **_generate_kwargs()).sequences)
+    assert got.shape == want.shape == (2, 18) and (got[:, :12] == ids).all()
+    for row in range(2):
+        first = next((i for i in range(12, 18) if got[row, i] != want[row, i]), 18)
+        if first < 18:  # a near-tie of the bf16 model's own scores there
+            ref, _ = _forced(bf16, ids[row:row + 1], mask[row:row + 1], want[row:row + 1, 12:first])
+            top2 = np.sort(ref[0, -1])[-2:]
+            assert top2[1] - top2[0] < 0.03, (row, first, got[row], want[row])
+
+
+def test_sequence_cache_survives_the_row_gather_of_beam_search():
+    """EasyDeL's beam search gathers every non-scalar cache leaf along the batch axis
+    between steps: the gathered view must attend as a cache written in that row order."""
+    rng = np.random.default_rng(3)
+    k, v = jnp.asarray(rng.standard_normal((2, 3, 6, 2, 64)), jnp.bfloat16)
+    k2, v2 = jnp.asarray(rng.standard_normal((2, 3, 1, 2, 64)), jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((3, 4, 64)), jnp.bfloat16)  # [batch * q_len, q_heads, head_dim]
+    perm = np.array([2, 0, 0])
+
+    def fresh():
+        return tq_easydel.SequenceCacheView.create(kvcache.init(3, 16, 2, 64, window=0, sinks=0), [0, 0, 0], 0)
+
+    gathered = jax.tree_util.tree_map(lambda x: x if x.ndim == 0 else x[perm], fresh().concatenate_to_cache(k, v))
+    got = tq_easydel._attend_sequences(query=q, cache_view=gathered.concatenate_to_cache(k2, v2))
+    want_view = fresh().concatenate_to_cache(k[perm], v[perm]).concatenate_to_cache(k2, v2)
+    want = tq_easydel._attend_sequences(query=q, cache_view=want_view)
+    np.testing.assert_array_equal(np.asarray(got.attention_outputs, np.float32),
+                                  np.asarray(want.attention_outputs, np.float32))
+
+
+def test_generate_beam_search_gives_easydel_bf16_beams(model, prompt):
+    """Beam search end to end with the exact window: the beams of EasyDeL's bf16 beam
+    search. (Whether the beams reorder here depends on the random model; the reorder itself
+    is the test above. Without attention_mask: EasyDeL 0.3.0's beam search fails on one;
+    the padded row is masked by its pad ids.)"""
+    from transformers import GenerationConfig
+
+    ids = prompt[0]
+    config = GenerationConfig(max_new_tokens=5, do_sample=False, num_beams=3, length_penalty=1.0,
+                              early_stopping=False, pad_token_id=0, eos_token_id=0)
+    runs = []
+    for m in (variant(model, attn_mechanism="vanilla"), tq_easydel.use(variant(model), "turbo-4", window=64)):
+        m.generation_config = config  # EasyDeL 0.3.0's beam search reads the model's own
+        with m.mesh:
+            runs.append(np.asarray(m.generate(jnp.asarray(ids), generation_config=config).sequences))
+    assert runs[0].shape == (2, 17) and (runs[0] == runs[1]).all(), runs
+
+
+@pytest.mark.parametrize("options,key_bytes,value_bytes", [(None, 32, 32), ("turbo-4", 40, 24)], ids=["4/4", "turbo-4"])
+def test_generate_codes_only_stay_close_to_easydel_bf16(model, prompt, generate_reference, exact_runs, options,
+                                                        key_bytes, value_bytes):
+    """No window, no sinks: every K/V read from its codes, held in tq_jax's cache (uint8
+    code rows of head_dim * bits / 8 bytes); farther from EasyDeL's than exact, still close."""
+    coded, cache = _forced(tq_easydel.use(variant(model), options, window=0, sinks=0), *prompt)
+    for view in cache.views:
+        kv = view.cache
+        assert isinstance(kv, kvcache.KVCache) and kv.config.window == 0 and kv.config.sinks == 0
+        assert kv.k_codes.dtype == kv.v_codes.dtype == jnp.uint8
+        assert kv.k_codes.shape[::2] == (2, 2) and kv.k_codes.shape[-1] == key_bytes
+        assert kv.v_codes.shape[-1] == value_bytes and kv.k_window.shape[1] == 0
+    d_exact = _probs_distance(exact_runs(options)[0].reshape(-1, VOCAB), generate_reference.reshape(-1, VOCAB))
+    d_coded = _probs_distance(coded.reshape(-1, VOCAB), generate_reference.reshape(-1, VOCAB))
+    assert 2 * d_exact < d_coded < 0.1
+    assert (_flips(coded.reshape(-1, VOCAB), generate_reference.reshape(-1, VOCAB)) < 0.1).all()
+
+
+def test_generate_without_settings_and_after_uninstall_is_easydels(model, prompt):
+    """use(model, False) leaves EasyDeL's generate path (its own caches, its tokens), and
+    uninstall() puts back every original attribute."""
+    ids, mask, _ = prompt
+    tq_easydel.install()
+    plain = tq_easydel.use(tq_easydel.use(variant(model), "turbo-4"), False)
+    assert not hasattr(plain.config.get_text_config(), tq_easydel.CONFIG_KEY)
+    with plain.mesh:
+        views = plain.prepare_inputs_for_generation(jnp.asarray(ids), max_length=18, pad_token_id=0,
+                                                    attention_mask=jnp.asarray(mask))["past_key_values"].views
+    assert {type(v).__name__ for v in views} == {"RaggedPagesCacheView"}  # EasyDeL's, for the ragged mechanism
+    bf16 = variant(model, attn_mechanism="vanilla")
+    with bf16.mesh:
+        patched = np.asarray(bf16.generate(jnp.asarray(ids), attention_mask=jnp.asarray(mask),
+                                           **_generate_kwargs()).sequences)
+    originals = dict(tq_easydel._PATCHES)
+    assert len(originals) == 5
+    tq_easydel.uninstall()
+    try:
+        assert not tq_easydel.installed()
+        for (owner, name), original in originals.items():
+            assert owner.__dict__[name] is original, name
+        with bf16.mesh:
+            unpatched = np.asarray(bf16.generate(jnp.asarray(ids), attention_mask=jnp.asarray(mask),
+                                                 **_generate_kwargs()).sequences)
+        assert (patched == unpatched).all()
+    finally:
+        tq_easydel.install()
+
+
+def test_generate_refuses_what_it_cannot_serve(model):
+    ours = tq_easydel.use(variant(model), "turbo-4")
+    ids = np.arange(1, 9, dtype=np.int32)[None].repeat(2, 0)
+
+    def prepare(ids, mask=None):
+        with ours.mesh:
+            ours.prepare_inputs_for_generation(jnp.asarray(ids), max_length=12, pad_token_id=0,
+                                               attention_mask=None if mask is None else jnp.asarray(mask))
+
+    hole = np.ones_like(ids)
+    hole[1, 4] = 0
+    with pytest.raises(ValueError, match=r"left-padded prompts only, but row 1's mask is 11110111"):
+        prepare(ids, hole)
+    right = np.ones_like(ids)
+    right[0, -2:] = 0
+    with pytest.raises(ValueError, match=r"row 0's mask is 11111100.*padding_side='left'"):
+        prepare(ids, right)
+    empty = np.ones_like(ids)
+    empty[1] = 0
+    with pytest.raises(ValueError, match=r"row 1's mask is 00000000"):
+        prepare(ids, empty)
+    inner = ids.copy()
+    inner[0, 3] = 0  # a pad id inside a prompt, no attention_mask: EasyDeL would mask it
+    with pytest.raises(ValueError, match=r"row 0's mask is 11101111.*Without attention_mask EasyDeL masks every"):
+        prepare(inner)
+    prepare(inner, np.ones_like(ids))  # with a mask, the ids themselves are not checked
+    with pytest.raises(ValueError, match="call model.generate outside jax.jit"):
+        jax.jit(lambda x: prepare(x))(ids)
+    view = tq_easydel.SequenceCacheView.create(kvcache.init(1, 32, 2, 64, window=0, sinks=0), [0], 0)
+    q = jnp.zeros((4, 4, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="sliding window of 8 tokens, shorter than model.generate's 32"):
+        tq_easydel._attend_sequences(query=q, cache_view=view, sliding_window=8)
+    with pytest.raises(ValueError, match="logits_soft_cap"):
+        tq_easydel._attend_sequences(query=q, cache_view=view, logits_soft_cap=30.0)
+    out = tq_easydel._attend_sequences(query=q, cache_view=view, sliding_window=(40, 0))  # wider than the cache: none
+    assert out.attention_outputs.shape == q.shape
 
 
 # --------------------------------------------------------------------------- in eSurge

@@ -1,4 +1,4 @@
-"""EasyDeL's eSurge serving on tq_jax's compressed KV cache.
+"""EasyDeL's eSurge serving and ``model.generate`` on tq_jax's compressed KV cache.
 
 ::
 
@@ -9,24 +9,38 @@
         path, config_kwargs=ed.EasyDeLBaseConfigDict(attn_mechanism="ragged_page_attention_v3"))
     tq_easydel.use(model, "turbo-4")        # or None (4/4 bits), "turbo-3.5", "turbo-2.5", a tq_jax.Options
     engine = ed.eSurge(model=model, tokenizer=path, max_model_len=4096, max_num_seqs=16)
+    with model.mesh:                         # or EasyDeL's own generation loop
+        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=64, do_sample=False)
 
-Every layer's K/V then live in a :class:`tq_jax.kvcache.ragged.Pool` (packed TurboQuant
-codes and float16 norms, plus small exact pools for each sequence's recent window and
-sinks), written once per token and read by :func:`tq_jax.kvcache.ragged.attend`, which
-scores the codes directly. eSurge's scheduler, page allocator and batch preparation are
-EasyDeL's own: the pool takes the page indices eSurge gives.
+Under eSurge every layer's K/V live in a :class:`tq_jax.kvcache.ragged.Pool` (packed
+TurboQuant codes and float16 norms, plus small exact pools for each sequence's recent
+window and sinks), written once per token and read by :func:`tq_jax.kvcache.ragged.attend`,
+which scores the codes directly. eSurge's scheduler, page allocator and batch preparation
+are EasyDeL's own: the pool takes the page indices eSurge gives. Under ``model.generate``
+(which builds no ragged metadata) every layer holds a per-sequence
+:class:`tq_jax.kvcache.KVCache` instead (:class:`SequenceCacheView`), written by
+:func:`tq_jax.kvcache.append` and read by :func:`tq_jax.kvcache.attend`; left padding is
+dropped when the prompt is written, other padding is refused.
 
-This module only maps names: the cache and its attention are :mod:`tq_jax.kvcache.ragged`
-(tested without EasyDeL). EasyDeL has no registry of cache classes, so it makes three
-changes to the installed package, each of which dispatches on this module's own types and
-otherwise calls EasyDeL's code unchanged (:func:`install`; :func:`uninstall` undoes them):
+This module only maps names: the caches and their attention are :mod:`tq_jax.kvcache`
+and :mod:`tq_jax.kvcache.ragged` (tested without EasyDeL). EasyDeL has no registry of cache
+classes, so it makes five changes to the installed package, each of which dispatches on
+this module's own types or settings and otherwise calls EasyDeL's code unchanged
+(:func:`install`; :func:`uninstall` undoes them):
 
 1. ``EasyGenerationMixin._create_standard_ragged_page_cache_config``: for a model that
    carries settings (:func:`use`), the ragged cache config is a :class:`CodesCacheConfig`.
 2. ``RaggedPagesCacheView.init``: a :class:`CodesCacheConfig` gives a :class:`CodesCacheView`.
 3. ``_RaggedPageAttn.forward_native`` (the ``ragged_page_attention_v3`` operation's):
-   a :class:`CodesCacheView` is attended by :func:`tq_jax.kvcache.ragged.attend`. This is
-   where EasyDeL dispatches its own ``TurboQuantRaggedPagesCacheView``, one level down.
+   a :class:`CodesCacheView` is attended by :func:`tq_jax.kvcache.ragged.attend`, a
+   :class:`SequenceCacheView` by :func:`tq_jax.kvcache.attend`. This is where EasyDeL
+   dispatches its own ``TurboQuantRaggedPagesCacheView``, one level down.
+4. ``EasyGenerationMixin.init_operations_cache``: for a model that carries settings and
+   no ragged (or unified) config given — ``model.generate``'s call; eSurge always passes
+   its config — a ``HybridCache`` of :class:`SequenceCacheView`, one per layer.
+5. ``EasyGenerationMixin.prepare_inputs_for_generation``: for a model that carries
+   settings, the prompt's padding is checked (left padding only) and each row's leading
+   padding passed on as ``starts``, which (4) gives the cache.
 
 They are checked against easydel ``EASYDEL_VERSION`` only: importing this module under any
 other version raises ImportError.
@@ -42,12 +56,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tq_jax import kvcache
 from tq_jax import options as _options
 from tq_jax.kvcache import ragged
 from tq_jax.kvcache import state as _kv_state
 
-__all__ = ["EASYDEL_VERSION", "CONFIG_KEY", "CodesCacheConfig", "CodesCacheView", "install", "uninstall",
-           "installed", "use", "settings", "rpa_slots", "cache_nbytes"]
+__all__ = ["EASYDEL_VERSION", "CONFIG_KEY", "CodesCacheConfig", "CodesCacheView", "SequenceCacheView", "install",
+           "uninstall", "installed", "use", "settings", "rpa_slots", "cache_nbytes"]
 
 EASYDEL_VERSION = "0.3.0"
 INSTALL = 'pip install -e ".[easydel]"  (from a tq-jax clone: easydel 0.3.0 with its jax 0.9.2 pins)'
@@ -74,10 +89,38 @@ from eformer.escale import PartitionAxis, PartitionManager  # noqa: E402
 from eformer.pytree import auto_pytree, field  # noqa: E402
 
 NO_METADATA = (
-    "tq_jax's cache was called without ragged paged attention metadata (page tables, KV lengths, query starts): "
-    "EasyDeL {version}'s model.generate does not build it, and fails the same way on EasyDeL's own ragged cache. "
-    "Generate with eSurge (ed.eSurge(model=model, ...)), which drives the cache; or, for model.generate, remove "
-    "the settings (tq_easydel.use(model, False)) and load the model with attn_mechanism='vanilla'."
+    "tq_jax's ragged pool was called without ragged paged attention metadata (page tables, KV lengths, query "
+    "starts), which only eSurge builds in EasyDeL {version}: a cache made with ragged_config= needs them. For "
+    "model.generate let it build its own cache (init_operations_cache without ragged_config gives tq_jax's "
+    "per-sequence cache); to serve, use eSurge (ed.eSurge(model=model, ...))."
+)
+PADDING = (
+    "model.generate on tq_jax's cache takes left-padded prompts only, but row {row}'s mask is {mask}: tq_jax.kvcache "
+    "keeps each sequence's tokens contiguous from position 0 and attends causally, so it can drop leading padding "
+    "but cannot mask a token after the first real one. {why}Pass attention_mask= with zeros only before each "
+    "prompt (a tokenizer with padding_side='left'), or generate the rows one by one."
+)
+NO_PAD_MASK = (
+    "Without attention_mask EasyDeL masks every pad_token_id ({pad}) token of the prompt, so a prompt may contain it "
+    "only as leading padding; with attention_mask= the ids themselves are not checked. "
+)
+TRACED_PROMPT = (
+    "model.generate on tq_jax's cache checks the prompt's padding before it builds the cache, so the prompt (input_ids "
+    "and attention_mask) must be concrete: call model.generate outside jax.jit."
+)
+OWN_MASK_INFO = (
+    "model.generate on tq_jax's cache was given mask_info=: the cache attends causally over each sequence's tokens "
+    "and cannot apply an arbitrary mask. Pass attention_mask= (left padding only) instead."
+)
+GENERATE_WINDOW = (
+    "this layer attends over a sliding window of {window} tokens, shorter than model.generate's {max_len}: "
+    "tq_jax.kvcache.attend sees every earlier token of the sequence, so it would attend past the window. Generate "
+    "at most {window} tokens in all (prompt + new), serve it with eSurge (whose ragged attention honours the window), "
+    "or with EasyDeL's own cache (tq_easydel.use(model, False))."
+)
+NOT_ATTENTION_ONLY = (
+    "model.generate on tq_jax's cache serves models whose every layer is ragged paged attention, but layer {layer}'s "
+    "cache is a {view}: serve this model with EasyDeL's own cache (tq_easydel.use(model, False))."
 )
 UNSUPPORTED = (
     "{what} is not supported by tq_jax's ragged attention (tq_jax.kvcache.ragged.attend takes a softmax scale and "
@@ -128,7 +171,9 @@ def use(model, options=None, **kwargs):
 
     The model's ``attn_mechanism`` must be ``ragged_page_attention_v3`` (eSurge's default
     on CPU and TPU; on GPU pass it explicitly). Call it before building the eSurge engine,
-    which sizes the cache when it starts.
+    which sizes the cache when it starts, or before ``model.generate``, which builds a
+    per-sequence cache of ``max_length`` tokens on each call (``window`` and ``sinks``
+    clipped to it; ``max_seqs`` and ``num_pages`` are eSurge's and unused there).
 
     Raises:
         ValueError: another attention mechanism, EasyDeL's own TurboQuant configured as
@@ -270,11 +315,116 @@ def cache_nbytes(cache) -> int:
     return sum(ragged.nbytes(v.pool) for v in getattr(cache, "views", ()) if isinstance(v, CodesCacheView))
 
 
+# --------------------------------------------------------------------------- model.generate's cache
+
+
+@auto_pytree
+class SequenceCacheView(RaggedPagesCacheView):
+    """One layer's per-sequence cache for ``model.generate``: a :class:`tq_jax.kvcache.KVCache`
+    (batch rows, each sequence's tokens contiguous from position 0, exact window and sinks).
+
+    ``pads`` (int32 ``[batch]``) counts each row's leading padding not yet dropped: the
+    first :meth:`concatenate_to_cache` (the prompt) shifts row ``b``'s K/V left by
+    ``pads[b]`` and stores ``q_len - pads[b]`` tokens, then sets ``pads`` to 0. The
+    prompt's queries stay where they are: :func:`tq_jax.kvcache.attend` places query ``j``
+    of row ``b`` at ``lengths[b] - q_len + j = j - pads[b]``, the position its key got, and
+    a padding query (a negative position) sees nothing. ``kv_pages`` is a placeholder
+    scalar, as in :class:`CodesCacheView`.
+    """
+
+    cache: kvcache.KVCache = None
+    pads: jax.Array = None
+
+    @classmethod
+    def create(cls, cache: kvcache.KVCache, pads, layer_index: int, partition_manager=None) -> "SequenceCacheView":
+        return cls(metadata=None, layer_index=layer_index, kv_pages=jnp.zeros((), jnp.float32),
+                   partition_manager=partition_manager or PartitionManager(PartitionAxis()), cache=cache,
+                   pads=jnp.asarray(pads, jnp.int32))
+
+    def concatenate_to_cache(self, key, value, cache_metadata=None) -> "SequenceCacheView":
+        """Append this step's K/V (``[batch, q_len, kv_heads, head_dim]``, RoPE applied)
+        through :func:`tq_jax.kvcache.append`, the prompt's leading padding dropped."""
+        n = key.shape[1]
+        cache = self.cache
+        if not cache.config.paged:
+            # Each row owns pool page b (docs/kvcache.md). Beam search gathers every leaf along
+            # the batch axis between steps, codes and page table alike, so the rows' codes have
+            # moved with them and the table is the identity again.
+            cache = dataclasses.replace(cache, page_table=jnp.arange(cache.lengths.shape[0], dtype=jnp.int32)[:, None])
+        pads = jnp.minimum(self.pads, n)
+        src = jnp.minimum(jnp.arange(n, dtype=jnp.int32)[None, :] + pads[:, None], n - 1)[:, :, None, None]
+        k = jnp.take_along_axis(key, src, axis=1)
+        v = jnp.take_along_axis(value, src, axis=1)
+        cache = kvcache.append(cache, k, v, new_lengths=n - pads)
+        return self.replace(cache=cache, pads=jnp.zeros_like(self.pads))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(layer_index={self.layer_index}, cache={self.cache.config})"
+
+    __str__ = __repr__
+
+
+def _settings_of(model):
+    return getattr(model.config.get_text_config(), CONFIG_KEY, None)
+
+
+def _leading_pads(model, input_ids, pad_token_id, attention_mask, mask_info) -> np.ndarray:
+    """Each prompt row's leading padding under the mask EasyDeL's generate uses (the
+    attention mask, else ``input_ids != pad_token_id``); refuses any other padding."""
+    if mask_info is not None:
+        raise ValueError(OWN_MASK_INFO)
+    try:
+        if attention_mask is not None:
+            mask, why = np.asarray(attention_mask).astype(bool), ""
+        else:
+            pad = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
+            pad = np.asarray(pad_token_id if pad is None else pad).item()
+            mask, why = np.asarray(input_ids) != pad, NO_PAD_MASK.format(pad=pad)
+    except jax.errors.TracerArrayConversionError:
+        raise ValueError(TRACED_PROMPT) from None
+    mask = mask.reshape(mask.shape[0], -1)
+    starts = (np.cumsum(mask, axis=-1) == 0).sum(-1)
+    for row, (m, s) in enumerate(zip(mask, starts)):
+        if s == m.shape[0] or not m[s:].all():
+            shown = "".join("1" if x else "0" for x in m)
+            raise ValueError(PADDING.format(row=row, mask=shown if len(shown) <= 64 else shown[:60] + "...", why=why))
+    return starts.astype(np.int32)
+
+
+def _sequence_cache(model, values: dict, batch_size: int, max_length: int, starts, dtype=None):
+    """``model.generate``'s cache: a HybridCache of :class:`SequenceCacheView`, one
+    :func:`tq_jax.kvcache.init` cache of ``max_length`` tokens per layer, exact tokens in
+    ``dtype`` (default the model's ``kvdtype``)."""
+    from easydel.caching import HybridCache
+
+    text = model.config.get_text_config()
+    for layer, view in sorted(model.get_operations_cache_view().items()):
+        if view is not RaggedPagesCacheView:
+            raise ValueError(NOT_ATTENTION_ONLY.format(layer=layer, view=getattr(view, "__name__", view)))
+    heads, head_dim = _ed_generation._resolve_standard_ragged_layer_geometry(text_config=text, layer_idx=None)
+    dtype = text.kvdtype if dtype is None else dtype
+    dtype = getattr(jnp, dtype) if isinstance(dtype, str) else dtype
+    clip = lambda n: None if n is None else min(int(n), int(max_length))  # noqa: E731
+    pads = jnp.zeros((batch_size,), jnp.int32) if starts is None else \
+        jnp.broadcast_to(jnp.asarray(starts, jnp.int32), (batch_size,))
+    cache = kvcache.init(int(batch_size), int(max_length), int(heads), int(head_dim),
+                         options=_options.Options(**values["options"]), window=clip(values["window"]),
+                         sinks=clip(values["sinks"]), dtype=dtype)
+    mesh = getattr(text, "mesh", None)
+    if mesh is not None:
+        cache = jax.device_put(cache, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    shared = text.get_kv_shared_layer_mapping()
+    views = [None if i in shared else SequenceCacheView.create(cache, pads, i, text.partition_manager)
+             for i in range(text.num_hidden_layers)]
+    return HybridCache(views=views)
+
+
 # --------------------------------------------------------------------------- attention
 
 
-def _attend(query, cache_view: CodesCacheView, cache_metadata, softmax_scale=None, logits_soft_cap=None,
-            sliding_window=None, softmax_aux=None, **_):
+def _window_tokens(logits_soft_cap, sliding_window, softmax_aux):
+    """The tokens a sliding window lets a query see (None: all), after refusing what
+    neither attention of tq_jax serves."""
     if logits_soft_cap is not None:
         raise ValueError(UNSUPPORTED.format(what=f"logits_soft_cap={logits_soft_cap}"))
     if softmax_aux is not None:
@@ -284,9 +434,30 @@ def _attend(query, cache_view: CodesCacheView, cache_metadata, softmax_scale=Non
         if right not in (0, None):
             raise ValueError(UNSUPPORTED.format(what=f"a two-sided sliding window {tuple(sliding_window)}"))
         sliding_window = left + 1
+    return None if sliding_window is None else int(sliding_window)
+
+
+def _attend_sequences(query, cache_view: SequenceCacheView, softmax_scale=None, logits_soft_cap=None,
+                      sliding_window=None, softmax_aux=None, **_):
+    """``model.generate``'s attention: :func:`tq_jax.kvcache.attend` (which scales by
+    ``1/sqrt(head_dim)``) on the query rescaled to the model's softmax scale."""
+    window = _window_tokens(logits_soft_cap, sliding_window, softmax_aux)
+    max_len = cache_view.cache.config.max_len
+    if window is not None and window < max_len:
+        raise ValueError(GENERATE_WINDOW.format(window=window, max_len=max_len))
+    head_dim = query.shape[-1]
+    factor = 1.0 if softmax_scale is None else float(softmax_scale) * head_dim ** 0.5
+    q = query if abs(factor - 1.0) < 1e-6 else (query.astype(jnp.float32) * factor)
+    q = q.reshape(cache_view.cache.lengths.shape[0], -1, *query.shape[-2:])  # EasyDeL flattens [batch * q_len, ...]
+    out = kvcache.attend(cache_view.cache, q).astype(query.dtype).reshape(query.shape)
+    return AttentionOutput(attention_weights=None, attention_outputs=out, cache_view=cache_view)
+
+
+def _attend(query, cache_view: CodesCacheView, cache_metadata, softmax_scale=None, logits_soft_cap=None,
+            sliding_window=None, softmax_aux=None, **_):
+    sliding_window = _window_tokens(logits_soft_cap, sliding_window, softmax_aux)
     md = unwrap_metadata(cache_metadata, "ragged")
-    out = ragged.attend(cache_view.pool, query, *_rpa_args(md), sm_scale=softmax_scale,
-                        sliding_window=None if sliding_window is None else int(sliding_window))
+    out = ragged.attend(cache_view.pool, query, *_rpa_args(md), sm_scale=softmax_scale, sliding_window=sliding_window)
     return AttentionOutput(attention_weights=None, attention_outputs=out, cache_view=cache_view)
 
 
@@ -301,19 +472,36 @@ def installed() -> bool:
 
 
 def install() -> None:
-    """Make the three changes the module docstring lists (idempotent)."""
+    """Make the five changes the module docstring lists (idempotent)."""
     if _PATCHES:
         return
     mixin, view, op = _ed_generation.EasyGenerationMixin, RaggedPagesCacheView, _ed_rpa._RaggedPageAttn
     make_config = mixin.__dict__["_create_standard_ragged_page_cache_config"]
+    init_cache = mixin.__dict__["init_operations_cache"]
+    prepare = mixin.__dict__["prepare_inputs_for_generation"]
     view_init = view.__dict__["init"].__func__
     forward = op.__dict__["forward_native"]
 
     @functools.wraps(make_config)
     def create_config(self, *args, **kwargs):
         base = make_config(self, *args, **kwargs)
-        values = getattr(self.config.get_text_config(), CONFIG_KEY, None)
+        values = _settings_of(self)
         return base if values is None else _codes_config(base, values)
+
+    @functools.wraps(init_cache)
+    def init_operations_cache(self, batch_size, max_length, **kwargs):
+        values = _settings_of(self)
+        if values is None or kwargs.get("ragged_config") is not None or kwargs.get("unified_config") is not None:
+            return init_cache(self, batch_size, max_length, **kwargs)
+        return _sequence_cache(self, values, batch_size, max_length, kwargs.get("starts"), kwargs.get("dtype"))
+
+    @functools.wraps(prepare)
+    def prepare_inputs_for_generation(self, input_ids, max_length, pad_token_id, starts=None, shardings=None,
+                                      attention_mask=None, token_type_ids=None, mask_info=None):
+        if _settings_of(self) is not None:
+            starts = _leading_pads(self, input_ids, pad_token_id, attention_mask, mask_info)
+        return prepare(self, input_ids, max_length, pad_token_id, starts=starts, shardings=shardings,
+                       attention_mask=attention_mask, token_type_ids=token_type_ids, mask_info=mask_info)
 
     @functools.wraps(view_init)
     def init(cls, config, *args, **kwargs):
@@ -323,11 +511,16 @@ def install() -> None:
 
     @functools.wraps(forward)
     def forward_native(self, *args, **kwargs):
-        if isinstance(kwargs.get("cache_view"), CodesCacheView) and not args:
+        cache_view = kwargs.get("cache_view")
+        if isinstance(cache_view, SequenceCacheView) and not args:
+            return _attend_sequences(**kwargs)
+        if isinstance(cache_view, CodesCacheView) and not args:
             return _attend(**kwargs)
         return forward(self, *args, **kwargs)
 
     for owner, name, new in ((mixin, "_create_standard_ragged_page_cache_config", create_config),
+                             (mixin, "init_operations_cache", init_operations_cache),
+                             (mixin, "prepare_inputs_for_generation", prepare_inputs_for_generation),
                              (view, "init", classmethod(init)), (op, "forward_native", forward_native)):
         _PATCHES[(owner, name)] = owner.__dict__[name]
         setattr(owner, name, new)
