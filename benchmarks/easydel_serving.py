@@ -130,6 +130,21 @@ def shims(cache_mb: int):
     EasyGenerationMixin.create_ragged_page_cache_config = create
 
 
+def base_model(model_dir: Path):
+    """The converted model in EasyDeL, bfloat16 weights and K/V."""
+    import easydel as ed
+
+    # transformers 5 writes rope_theta inside rope_parameters, where EasyDeL 0.3.0 does not
+    # look (it would run SmolLM2 at theta 10,000 instead of 100,000: perplexity 40.7 instead
+    # of transformers' 32.7 on the held text's first 64 tokens); it is passed explicitly
+    theta = json.loads((model_dir / "config.json").read_text())["rope_parameters"]["rope_theta"]
+    return ed.AutoEasyDeLModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, auto_shard_model=True,
+        sharding_axis_dims=(1, 1, 1, -1, 1),
+        config_kwargs=ed.EasyDeLBaseConfigDict(attn_mechanism="ragged_page_attention_v3", attn_dtype=jnp.bfloat16,
+                                               kvdtype=jnp.bfloat16, rope_theta=theta))
+
+
 def variants(base, max_seqs: int) -> dict:
     """One model per setting, sharing ``base``'s weights (each with its own config)."""
     import easydel as ed
@@ -179,53 +194,57 @@ def held_text(tok) -> np.ndarray:
     return np.asarray(tok(topics["specialnames"]).input_ids, np.int32)
 
 
-def quality(models: dict, ids: np.ndarray, windows: int, prefix: int, scored: int, page_size: int) -> dict:
-    """Per setting: NLL sum, KL sum and top-1 matches against bf16, over ``windows * scored`` tokens."""
+def stepper(model, page_size: int, pages: int):
+    """``step(cache, tokens, start) -> (log-probs [n, vocab], cache)``: ``model`` called as
+    eSurge's runner calls it, with one sequence's ragged metadata over pages 0..pages-1."""
     from easydel.caching import RaggedPagesMetadata
     from easydel.utils import set_inference_mode
     from flax import nnx
 
+    table = jnp.arange(pages, dtype=jnp.int32)[None, :]
+    graphdef, state, other = model.split_module()
+    mech = model.config.get_text_config().attn_mechanism
+    version = "v2" if str(getattr(mech, "value", mech)).endswith("v2") else "v3"
+
+    @jax.jit
+    def step(state, other, cache, tokens, start):
+        n = tokens.shape[0]
+        v2 = version == "v2"  # the v2 bf16 cache writes from slices (cache position, token start, length)
+        md = RaggedPagesMetadata(
+            pages_tables=table, context_lens=jnp.reshape(start + n, (1,)).astype(jnp.int32),
+            query_start_loc=jnp.asarray([0, n], jnp.int32), num_seqs=jnp.asarray([1], jnp.int32),
+            request_distribution=None if v2 else jnp.asarray([1, 1, 1] if n == 1 else [0, 1, 1], jnp.int32),
+            slot_mapping=jnp.stack([jnp.reshape(start, (1,)), jnp.zeros((1,), jnp.int32),
+                                    jnp.full((1,), n, jnp.int32)]).astype(jnp.int32) if v2 else None,
+            num_kv_update_slices=jnp.asarray([1], jnp.int32) if v2 else None,
+            page_size=page_size, version=version)
+        m = nnx.merge(graphdef, state, other)
+        with m.mesh, set_inference_mode():
+            out = m(input_ids=tokens[None], position_ids=(start + jnp.arange(n, dtype=jnp.int32))[None],
+                    past_key_values=cache, cache_metadata=md)
+        return jax.nn.log_softmax(out.logits[0].astype(jnp.float32), -1), out.past_key_values
+
+    return lambda cache, tokens, start: step(state, other, cache, jnp.asarray(tokens), jnp.int32(start))
+
+
+def fresh_cache(model, page_size: int, pages: int):
+    """A one-sequence cache of ``pages`` pages for :func:`stepper`."""
+    cfg = model.create_ragged_page_cache_config(max_length=pages * page_size, page_size=page_size)
+    cfg = cfg.replace(num_pages=pages)
+    return model.init_operations_cache(batch_size=1, max_length=pages * page_size, page_size=page_size,
+                                       ragged_config=cfg)
+
+
+def quality(models: dict, ids: np.ndarray, windows: int, prefix: int, scored: int, page_size: int) -> dict:
+    """Per setting: NLL sum, KL sum and top-1 matches against bf16, over ``windows * scored`` tokens."""
     length = prefix + scored
     pages = -(-length // page_size)
-    table = jnp.arange(pages, dtype=jnp.int32)[None, :]
-
-    def stepper(model):
-        graphdef, state, other = model.split_module()
-        mech = model.config.get_text_config().attn_mechanism
-        version = "v2" if str(getattr(mech, "value", mech)).endswith("v2") else "v3"
-
-        @jax.jit
-        def step(state, other, cache, tokens, start):
-            n = tokens.shape[0]
-            v2 = version == "v2"  # the v2 bf16 cache writes from slices (cache position, token start, length)
-            md = RaggedPagesMetadata(
-                pages_tables=table, context_lens=jnp.reshape(start + n, (1,)).astype(jnp.int32),
-                query_start_loc=jnp.asarray([0, n], jnp.int32), num_seqs=jnp.asarray([1], jnp.int32),
-                request_distribution=None if v2 else jnp.asarray([1, 1, 1] if n == 1 else [0, 1, 1], jnp.int32),
-                slot_mapping=jnp.stack([jnp.reshape(start, (1,)), jnp.zeros((1,), jnp.int32),
-                                        jnp.full((1,), n, jnp.int32)]).astype(jnp.int32) if v2 else None,
-                num_kv_update_slices=jnp.asarray([1], jnp.int32) if v2 else None,
-                page_size=page_size, version=version)
-            m = nnx.merge(graphdef, state, other)
-            with m.mesh, set_inference_mode():
-                out = m(input_ids=tokens[None], position_ids=(start + jnp.arange(n, dtype=jnp.int32))[None],
-                        past_key_values=cache, cache_metadata=md)
-            return jax.nn.log_softmax(out.logits[0].astype(jnp.float32), -1), out.past_key_values
-
-        return lambda cache, tokens, start: step(state, other, cache, jnp.asarray(tokens), jnp.int32(start))
-
-    def fresh_cache(model):
-        cfg = model.create_ragged_page_cache_config(max_length=pages * page_size, page_size=page_size)
-        cfg = cfg.replace(num_pages=pages)
-        return model.init_operations_cache(batch_size=1, max_length=pages * page_size, page_size=page_size,
-                                           ragged_config=cfg)
-
-    steps = {name: stepper(m) for name, m in models.items()}
+    steps = {name: stepper(m, page_size, pages) for name, m in models.items()}
     stats = {name: {"nll": 0.0, "kl": 0.0, "top1": 0, "n": 0} for name in models}
     # one cache per setting for every window, its pages overwritten from position 0 as an
     # engine reuses freed pages (EasyDeL's TurboQuant view keeps arrays in its static
     # fields, so a second cache of it would not pass jit's tree comparison)
-    caches = {name: fresh_cache(m) for name, m in models.items()}
+    caches = {name: fresh_cache(m, page_size, pages) for name, m in models.items()}
     for w in range(windows):
         seq = ids[w * length:(w + 1) * length]
         for t in range(prefix - 1, length - 1):  # the logits at position t score token t + 1
@@ -249,15 +268,15 @@ def quality(models: dict, ids: np.ndarray, windows: int, prefix: int, scored: in
 # --------------------------------------------------------------------------- eSurge
 
 
-def engines(models: dict, model_dir: Path, args) -> dict:
+def engines(models: dict, model_dir: Path, args, max_seqs: int = len(PROMPTS)) -> dict:
     import easydel as ed
 
     out = {}
     for name, model in models.items():
         t = time.perf_counter()
         out[name] = ed.eSurge(model=model, tokenizer=str(model_dir), max_model_len=args.max_model_len,
-                              max_num_seqs=len(PROMPTS), max_num_seq_buckets=[len(PROMPTS)], page_size=args.page_size,
-                              min_input_pad=len(PROMPTS), min_token_pad=8, max_num_batched_tokens=args.batched_tokens,
+                              max_num_seqs=max_seqs, max_num_seq_buckets=[max_seqs], page_size=args.page_size,
+                              min_input_pad=max_seqs, min_token_pad=8, max_num_batched_tokens=args.batched_tokens,
                               compile_runner=True, enable_prefix_caching=False, silent_mode=True)
         print(f"  {name}: engine built and compiled in {time.perf_counter() - t:.0f} s "
               f"({type(out[name].runner.executor_manager.kv_pages.views[0]).__name__})", flush=True)
@@ -303,15 +322,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     model_dir = convert(args.model_dir)
     shims(args.cache_mb)
-    # transformers 5 writes rope_theta inside rope_parameters, where EasyDeL 0.3.0 does not
-    # look (it would run SmolLM2 at theta 10,000 instead of 100,000: perplexity 40.7 instead
-    # of transformers' 32.7 on the held text's first 64 tokens); it is passed explicitly
-    theta = json.loads((model_dir / "config.json").read_text())["rope_parameters"]["rope_theta"]
-    base = ed.AutoEasyDeLModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, auto_shard_model=True,
-        sharding_axis_dims=(1, 1, 1, -1, 1),
-        config_kwargs=ed.EasyDeLBaseConfigDict(attn_mechanism="ragged_page_attention_v3", attn_dtype=jnp.bfloat16,
-                                               kvdtype=jnp.bfloat16, rope_theta=theta))
+    base = base_model(model_dir)
     models = variants(base, max_seqs=len(PROMPTS))
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     print(f"model ready in {time.perf_counter() - t0:.0f} s", flush=True)

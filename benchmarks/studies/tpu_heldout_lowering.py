@@ -85,8 +85,9 @@ def step_row(model, kv_heads, group, dim, batch, q_len, page, max_len, options, 
     layout = pallas_tpu.blocks(cache, rows, unit)
     tiled = all(pallas_tpu.tiling_ok(b.block, b.array, b.dtype) for b in layout)
     cfg = cache.config
-    shape = (f"kv {kv_heads}, GQA {group}, d {dim}, batch {batch}, q_len {q_len}, "
-             f"{'pages of ' + str(page) if page else 'unpaged'}, {max_len} tokens, window {cfg.window}, sinks {cfg.sinks}")
+    paging = f"pages of {page}" if page else "unpaged"
+    shape = (f"kv {kv_heads}, GQA {group}, d {dim}, batch {batch}, q_len {q_len}, {paging}, {max_len} tokens, "
+             f"window {cfg.window}, sinks {cfg.sinks}")
     return model, "append + attend", shape, _label(options), _custom_calls(module), tiled, \
         pallas_tpu.vmem_bytes(layout), seconds
 

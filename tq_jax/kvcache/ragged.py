@@ -287,7 +287,8 @@ def attend(pool: Pool, q, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scal
     n_tiles = min(n_tok, -(-n_tok // q_block) + n_seq)
     block = block_tokens or _state.default_block_tokens(n_tiles, heads, cfg.head_dim)
     block = _state.power_of_two(block, "block_tokens", "tokens per step of the coded loop.")
-    if jax.default_backend() == "gpu" and _attention.resolve_impl(_ConfigOnly(cfg.view(1, 1, 16)), impl) == "pallas_gpu":
+    one_tile = _ConfigOnly(cfg.view(1, 1, 16))
+    if jax.default_backend() == "gpu" and _attention.resolve_impl(one_tile, impl) == "pallas_gpu":
         from tq_jax.kvcache import pallas_gpu
 
         if not pallas_gpu.available():
