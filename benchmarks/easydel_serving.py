@@ -130,8 +130,25 @@ def shims(cache_mb: int):
     EasyGenerationMixin.create_ragged_page_cache_config = create
 
 
-def base_model(model_dir: Path):
-    """The converted model in EasyDeL, bfloat16 weights and K/V."""
+def attend_in_query_dtype():
+    """EasyDeL's bf16 cache attends in the query's dtype, as tq_jax does (this process, from
+    the call on). EasyDeL 0.3.0's ``ragged_page_attention_v2`` runs ejkernel's kernel with
+    ``compute_dtype`` bfloat16 (scores, softmax state, output accumulator) whatever the
+    model's dtype: its attention layer does not pass one. A bfloat16 model is unchanged."""
+    from easydel.operations.kernels.ragged_page_attention import _RaggedPageAttn
+
+    forward_v2 = getattr(_RaggedPageAttn.forward_v2, "__wrapped__", _RaggedPageAttn.forward_v2)
+
+    def forward(self, query, *args, compute_dtype=None, **kwargs):
+        return forward_v2(self, query, *args, compute_dtype=query.dtype, **kwargs)
+
+    forward.__wrapped__ = forward_v2
+    _RaggedPageAttn.forward_v2 = forward
+
+
+def base_model(model_dir: Path, dtype=jnp.bfloat16):
+    """The converted model in EasyDeL: bfloat16 weights and K/V, activations and attention
+    in ``dtype`` (bfloat16 unless a study asks for float32 arithmetic)."""
     import easydel as ed
 
     # transformers 5 writes rope_theta inside rope_parameters, where EasyDeL 0.3.0 does not
@@ -139,9 +156,9 @@ def base_model(model_dir: Path):
     # of transformers' 32.7 on the held text's first 64 tokens); it is passed explicitly
     theta = json.loads((model_dir / "config.json").read_text())["rope_parameters"]["rope_theta"]
     return ed.AutoEasyDeLModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, auto_shard_model=True,
+        str(model_dir), dtype=dtype, param_dtype=jnp.bfloat16, auto_shard_model=True,
         sharding_axis_dims=(1, 1, 1, -1, 1),
-        config_kwargs=ed.EasyDeLBaseConfigDict(attn_mechanism="ragged_page_attention_v3", attn_dtype=jnp.bfloat16,
+        config_kwargs=ed.EasyDeLBaseConfigDict(attn_mechanism="ragged_page_attention_v3", attn_dtype=dtype,
                                                kvdtype=jnp.bfloat16, rope_theta=theta))
 
 
@@ -284,10 +301,18 @@ def engines(models: dict, model_dir: Path, args, max_seqs: int = len(PROMPTS)) -
 
 
 def greedy(engine, prompts, n: int) -> list[list[int]]:
+    """``n`` greedy tokens per prompt, in the prompts' order. eSurge's ``generate`` returns
+    its outputs in the order the requests finish (a long prompt's after the short ones'),
+    so they are matched to the prompts by request id."""
+    import uuid
+
     import easydel as ed
 
-    outs = engine.generate(prompts, ed.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
-    return [list(o.outputs[0].token_ids) for o in outs]
+    ids = [f"{uuid.uuid4().hex}-{i}" for i in range(len(prompts))]
+    outs = engine.generate(prompts, ed.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+                           request_id=ids)
+    by_id = {o.request_id: list(o.outputs[0].token_ids) for o in outs}
+    return [by_id[i] for i in ids]
 
 
 def agreement(a: list[int], b: list[int]) -> tuple[int, float]:
