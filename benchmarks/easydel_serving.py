@@ -162,22 +162,25 @@ def base_model(model_dir: Path, dtype=jnp.bfloat16):
                                                kvdtype=jnp.bfloat16, rope_theta=theta))
 
 
+def variant(base, **updates):
+    """``base`` with its config updated by ``updates``, sharing its weights."""
+    from flax import nnx
+
+    return nnx.merge(base.new_graphdef(recursive_update=True, **updates), base.graphstate, base.graphother)
+
+
 def variants(base, max_seqs: int) -> dict:
     """One model per setting, sharing ``base``'s weights (each with its own config)."""
     import easydel as ed
-    from flax import nnx
 
     from tq_jax.adapters import easydel as tq_easydel
 
-    def variant(**updates):
-        return nnx.merge(base.new_graphdef(recursive_update=True, **updates), base.graphstate, base.graphother)
-
-    out = {"bf16": variant(attn_mechanism="ragged_page_attention_v2")}
+    out = {"bf16": variant(base, attn_mechanism="ragged_page_attention_v2")}
     for bits in (4, 3):
-        out[f"easydel bits={bits}"] = variant(attn_mechanism="ragged_page_attention_v3",
+        out[f"easydel bits={bits}"] = variant(base, attn_mechanism="ragged_page_attention_v3",
                                               kv_cache_quantization_config=ed.TurboQuantConfig(bits=bits))
     for name, preset in (("4/4", None), ("turbo-4", "turbo-4"), ("turbo-3.5", "turbo-3.5")):
-        out[f"tq_jax {name}"] = tq_easydel.use(variant(attn_mechanism="ragged_page_attention_v3"), preset,
+        out[f"tq_jax {name}"] = tq_easydel.use(variant(base, attn_mechanism="ragged_page_attention_v3"), preset,
                                                max_seqs=max_seqs)
     return out
 

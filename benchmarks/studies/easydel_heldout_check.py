@@ -2,9 +2,9 @@
 
 Question: benchmarks/easydel_serving.py compares tq_jax's engines with EasyDeL's bf16
 engine token for token. EasyDeL 0.3.0 attends over its bf16 cache in bfloat16 (ejkernel's
-``compute_dtype`` default, softmax state and accumulators included), and that engine does
-not even agree with its own one-pass prefill within 16 tokens, so a difference there may
-be arithmetic, not the cache. With the model's activations in float32 and both caches
+``compute_dtype`` default, softmax state and accumulators included), where the order of
+the arithmetic alone moves the model's log-probs by tenths of a nat, so a difference
+there may be arithmetic, not the cache. With the model's activations in float32 and both caches
 attended in float32 (``easydel_serving.attend_in_query_dtype``), the cache is the only
 thing that differs: EasyDeL's bf16 pages against tq_jax's pool, whose exact window holds
 the same bf16 K/V. Does every tq_jax preset then give bf16's first 16 greedy tokens, on
@@ -67,7 +67,6 @@ def main(argv=None) -> None:
 
     import jax
     import jax.numpy as jnp
-    from flax import nnx
     from transformers import AutoTokenizer
 
     from tq_jax.adapters import easydel as tq_easydel
@@ -81,14 +80,11 @@ def main(argv=None) -> None:
     labels = [repr(s) for s in SHORT] + [f"`{t}` topic, first {LONG_CHARS} characters" for t in LONG_TOPICS]
     n = len(prompts)
 
-    def variant(**updates):
-        return nnx.merge(base.new_graphdef(recursive_update=True, **updates), base.graphstate, base.graphother)
-
     def ours(preset, **kw):
-        return tq_easydel.use(variant(attn_mechanism="ragged_page_attention_v3"), preset, max_seqs=n, **kw)
+        return tq_easydel.use(es.variant(base, attn_mechanism="ragged_page_attention_v3"), preset, max_seqs=n, **kw)
 
     models = {
-        "bf16": variant(attn_mechanism="ragged_page_attention_v2"),
+        "bf16": es.variant(base, attn_mechanism="ragged_page_attention_v2"),
         "tq_jax 4/4": ours(None),
         "tq_jax turbo-4": ours("turbo-4"),
         "tq_jax turbo-3.5": ours("turbo-3.5"),
@@ -145,7 +141,8 @@ def main(argv=None) -> None:
         "",
         f"Commit `{commit}`; `python -m benchmarks.studies.easydel_heldout_check "
         f"{' '.join(argv if argv is not None else sys.argv[1:])}` in the easydel environment "
-        f"(easydel {ed.__version__}, jax {jax.__version__}) on this project's 2-core CPU machine. SmolLM2-135M-Instruct "
+        f"(easydel {ed.__version__}, jax {jax.__version__}) on this project's 2-core CPU machine. "
+        "SmolLM2-135M-Instruct "
         f"with bfloat16 weights, activations and attention in {args.dtype} (EasyDeL's bf16 cache attended in the "
         "query's dtype: `easydel_serving.attend_in_query_dtype`); every cache keeps bfloat16 K/V (EasyDeL's "
         f"pages; tq_jax's exact window and sinks) or codes. {n} prompts that no test uses: {len(SHORT)} short ones "
