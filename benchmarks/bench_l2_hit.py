@@ -38,8 +38,9 @@ from tq_jax.bridge import registry  # noqa: E402
 CHUNK = (30, 256, 384)  # SmolLM2-135M on vLLM's CPU backend: [L, T, H*2*D], H=3, D=64
 CHUNKS = 15
 SETTINGS = {
-    "v1 4-bit": {"bits": 4},
-    "turbo-4": {"preset": "turbo-4"},
+    "turbo-4 (the default)": {},
+    "4/4 + checksum": {"bits": 4},
+    "v1 4-bit": {"format": "v1"},
     "turbo-3.5": {"preset": "turbo-3.5"},
 }
 

@@ -7,7 +7,7 @@ wrapping LMCache's CLI is enough::
 
     python -m tq_jax.bridge.launch server --l1-size-gb 2 --eviction-policy LRU \\
         --l2-adapter '{"type": "fs", "base_path": "/cache",
-                       "serde": {"type": "tq_jax", "bits": 4}}'
+                       "serde": {"type": "tq_jax", "head_dim": 128}}'
 
 Every argument is LMCache's. On a host without CUDA the launcher adds
 ``--supported-transfer-mode auto`` when no mode is named, and warns about a K/V-aware

@@ -25,8 +25,10 @@ the axes mean depends on the serving engine's attention backend:
 ``latent``     ``[L, T, D]``                      one MLA latent vector per token (no values)
 ``auto``       —                                  ``split`` for ``[2|1, L, T, X]``; for
                                                  ``[L, T, X]``: ``latent`` when ``X == D``, else
-                                                 ``fused`` (LMCache's own description of a
-                                                 single-plane chunk)
+                                                 the *paired* layout: ``fused`` (LMCache's own
+                                                 description of a single-plane chunk) on a host
+                                                 with CUDA, ``vllm-cpu`` without (the registry
+                                                 decides, :data:`PAIRED`)
 =============  ================================  =============================================
 
 Two stored forms (:class:`Form`):
@@ -55,9 +57,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["KV_LAYOUTS", "Form", "form", "from_stored", "restore_into", "to_stored", "which"]
+__all__ = ["KV_LAYOUTS", "PAIRED", "Form", "form", "from_stored", "restore_into", "to_stored", "which"]
 
 KV_LAYOUTS = ("auto", "split", "fused", "vllm-cpu", "latent")
+PAIRED = ("fused", "vllm-cpu")
+"""What ``auto`` may read an ``[L, T, H·2·D]`` chunk as: vLLM's GPU backends fill it as
+``fused``, its CPU backend as ``vllm-cpu``; the shapes are the same, so the host decides."""
 
 NOT_DIVISIBLE = (
     "KV group {group} has shape {shape}: its last axis ({hidden}) is not a multiple of "
@@ -110,8 +115,10 @@ class Form(NamedTuple):
         return self.kv if kv_order and self.kv is not None else self.engine
 
 
-def form(shape, head_dim: int, kv_layout: str = "auto", block_size: int = 128, *, group: int = 0) -> Form:
-    """The :class:`Form` of a chunk of ``shape`` under ``kv_layout``.
+def form(shape, head_dim: int, kv_layout: str = "auto", block_size: int = 128, *, group: int = 0,
+         paired: str = "fused") -> Form:
+    """The :class:`Form` of a chunk of ``shape`` under ``kv_layout``; ``auto`` reads an
+    ``[L, T, H·2·D]`` chunk as ``paired`` (one of :data:`PAIRED`).
 
     Raises:
         ValueError: the shape does not fit the layout (rank, a last axis that is not a
@@ -127,6 +134,8 @@ def form(shape, head_dim: int, kv_layout: str = "auto", block_size: int = 128, *
         (2, 30, 2, 128, 3, 64)
         >>> form((61, 256, 576), 576).kv            # auto: latent
         (1, 61, 256, 1, 576)
+        >>> form((30, 256, 384), 64, paired="vllm-cpu").layout
+        'vllm-cpu'
     """
     shape = tuple(int(s) for s in shape)
     d = int(head_dim)
@@ -137,7 +146,7 @@ def form(shape, head_dim: int, kv_layout: str = "auto", block_size: int = 128, *
     layout = kv_layout
     if layout == "auto":
         if len(shape) == 3:
-            layout = "latent" if shape[-1] == d else ("fused" if shape[-1] % (2 * d) == 0 else "none")
+            layout = "latent" if shape[-1] == d else (paired if shape[-1] % (2 * d) == 0 else "none")
         else:
             layout = "split" if split_like else "none"
     if layout == "none":

@@ -10,7 +10,7 @@ no launcher and no code::
      "module_path": "tq_jax.bridge.plugin",
      "class_name": "L2Adapter",
      "adapter_params": {"type": "fs", "base_path": "/cache"},
-     "serde": {"type": "tq_jax", "bits": 4}}
+     "serde": {"type": "tq_jax", "head_dim": 128}}
 
 ``serde`` (and ``eviction``) stay on the outer dict, where LMCache reads them; in
 ``adapter_params`` they would be ignored, so they are refused there. LMCache then wraps

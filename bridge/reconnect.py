@@ -33,7 +33,8 @@ client built while the old one was still open sometimes had a dead worker connec
 
 What an operator sees: stores and loads fail (reported, never raised) while the server
 is away, and work again within about ``reconnect_interval`` of its return, in the same
-process; the adapter's status carries ``reconnects`` and ``connected``. A restarted
+process; a server that is down when the adapter is built is the same case from the
+start (:data:`DOWN_AT_START` is logged, and the first client is built when it answers); the adapter's status carries ``reconnects`` and ``connected``. A restarted
 server is empty unless it persists: loads of earlier keys miss. A stalled server
 (SIGSTOP) is not a connection error: batches wait for it, as with ``resp``.
 """
@@ -76,6 +77,11 @@ TYPE_NAME = "resp_reconnect"
 # Substrings of the native client's error text that mean the connection is gone.
 CONNECTION_ERRORS = ("socket", "connection", "broken pipe", "reset by peer", "eof")
 PROBE_KEY = "tq_jax-reconnect-probe"  # only ever asked EXISTS; never written
+DOWN_AT_START = (
+    "RESP server %s:%d does not answer at start-up: serving without this L2 (every store fails and every lookup "
+    "misses, so the engine computes) and connecting when it answers (tried every %gs). If it stays down, check "
+    "its host and port."
+)
 _POLL_MS = 200
 
 
@@ -119,14 +125,19 @@ class ReconnectingClient:
         self.reconnect_interval, self.probe_timeout = reconnect_interval, probe_timeout
         self.probe_batches = probe_batches
         self._lock = threading.Lock()
-        self._inner = connect()
+        # A client built while the server is unreachable never completes anything: start
+        # without one, failing every batch at once, and connect when the server answers.
+        up = ping(host, port, probe_timeout)
+        self._inner = connect() if up else None
         self._outstanding: dict[int, int] = {}  # the inner client's future id -> ours
         self._next_id = 1
         self._done: list[tuple] = []  # completions (our ids) not yet drained
         self._notifier = create_event_notifier()
-        self.lost = False  # a connection error seen, no new client yet
+        self.lost = not up  # a connection error seen (or none at start), no new client yet
         self.reconnects = 0
         self._next_attempt = 0.0
+        if not up:
+            logger.warning(DOWN_AT_START, host, port, reconnect_interval)
         self._stop = threading.Event()
         self._pump = threading.Thread(target=self._pump_loop, daemon=True, name="tq_jax-resp-reconnect")
         self._pump.start()

@@ -3,7 +3,7 @@
 After :func:`register`, an L2 adapter config can say::
 
     {"type": "fs", "base_path": "/cache",
-     "serde": {"type": "tq_jax", "head_dim": 128, "bits": 4}}
+     "serde": {"type": "tq_jax", "head_dim": 128}}
 
 The factory LMCache calls with the ``serde`` dict (minus ``"type"``) validates every
 key against :data:`OPTIONS`, a table: an unknown key is an error that lists the valid
@@ -16,10 +16,13 @@ runtime's ``max_workers`` and ``device``, the reference plugin's ``use_qjl`` and
 of :class:`~tq_jax.bridge.serde.TQJaxSerializer` follow the table, so a new Options
 field is a serde option with no edit here.
 
-The defaults write TQ01 version 1 (the reference plugin reads it); a non-default value
-of a row marked version 2 (per-K/V bits, raw edge layers, rotation, norm dtype or norm
-codes, norm correction, checksum, or a ``preset`` naming a bundle of them) writes
-version 2 blobs, which tq_jax reads and the reference plugin does not.
+Safe by default: a dict with no format option writes ``turbo-4`` (TQ01 version 2, a
+CRC32 and the key binding, so a damaged or misplaced value is refused and recomputed);
+one that names bits or other codec options writes version 2 with the checksum on; the
+reference plugin's version 1, without a checksum, only when asked for by name
+(``"format": "v1"``, or the ``compat-4bit`` preset) (:func:`parse_options`). Building
+the serde compiles its programs (``warmup``, :mod:`~tq_jax.bridge.warmup`), so the
+first L2 hit after a start is as fast as the next.
 
 LMCache 0.5.6 has no serde discovery: the type must be registered in the process that
 builds the ``StorageManager``, before it is built. See :mod:`tq_jax.bridge.launch` (a
@@ -33,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import time
 from collections.abc import Callable, Mapping
 
 from lmcache.v1.distributed.serde import factory as _lmc_factory
@@ -42,6 +46,7 @@ import tq_jax
 from tq_jax.bridge import reconnect as _reconnect
 from tq_jax.bridge import seal as _seal
 from tq_jax.bridge import serde as _serde
+from tq_jax.bridge import warmup as _warmup
 from tq_jax.bridge.device import resolve_device
 from tq_jax.bridge.schema import (  # the option table, re-exported: registry.OPTIONS etc.
     BRIDGE_ONLY,
@@ -90,13 +95,50 @@ def make_serde_processor(kwargs: Mapping[str, object]) -> AsyncSerdeProcessor:
     """
     o = parse_options(kwargs)
     serializer, deserializer = build_serde(o)
+    inner = getattr(serializer, "inner", serializer)
     proc = AsyncSerdeProcessor(serializer, deserializer, max_workers=o.max_workers)
-    logger.info("%s", created_message(o, getattr(serializer, "inner", serializer).options, resolve_device(o.device)))
+    logger.info("%s", created_message(o, inner.options, resolve_device(o.device), paired=inner.paired))
+    if o.warmup:
+        warm(inner, getattr(deserializer, "inner", deserializer))
     return proc
 
 
-def build_serde(o: SerdeOptions):
+def warm(serializer: _serde.TQJaxSerializer, deserializer: _serde.TQJaxDeserializer, directory=None) -> None:
+    """:func:`tq_jax.bridge.warmup.warm_up` for the serde's layout and the chunk shapes
+    this setting planned before (remembered in ``directory``, default
+    :func:`~tq_jax.bridge.warmup.cache_dir`), logged; from then on the serializer
+    remembers every new shape it plans. A failure is logged as a warning and leaves the
+    programs to compile at first use."""
+    layout = serializer.paired if serializer.kv_layout == "auto" else serializer.kv_layout
+    setting = f"{serializer.options!r} {layout} {serializer.block_size} {serializer.head_dim} {serializer.device.platform}"
+    shapes = _warmup.ChunkShapes(setting, directory)
+    t0 = time.perf_counter()
+    try:
+        chunks = _warmup.warm_up(serializer, deserializer, layout, shapes.shapes)
+    except Exception as e:  # noqa: BLE001 (never let a warm-up stop the serde)
+        logger.warning("tq_jax serde warm-up failed (%s: %s); its programs compile at the first store or L2 hit instead",
+                       type(e).__name__, e)
+    else:
+        said = ", ".join(f"{list(shape)} {dtype}" for shape, dtype in chunks[1:]) or f"none yet: {_warmup.WHY_TAIL}"
+        logger.info("tq_jax serde warmed up in %.2f s: full blocks of kv_layout %s (a synthetic %s chunk) and the chunk "
+                    "shapes planned before (%s), remembered in %s", time.perf_counter() - t0, layout,
+                    list(chunks[0][0]), said, shapes.path)
+    serializer.on_plan = shapes.add
+
+
+def has_cuda() -> bool:
+    """Whether this host has a CUDA device torch can use (where vLLM runs its GPU backends)."""
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def build_serde(o: SerdeOptions, *, cuda: bool | None = None):
     """The (serializer, deserializer) pair of validated options.
+
+    ``kv_layout="auto"`` reads an ``[L, T, H·2·D]`` chunk as vLLM's GPU layout
+    (``fused``) on a host with CUDA and as its CPU layout (``vllm-cpu``, with the
+    options' ``block_size``) without (``cuda``: None asks torch).
 
     Without ``encrypt``: :class:`~tq_jax.bridge.serde.TQJaxSerializer` and its
     deserializer, key-bound when the options checksum (``bind_key``). With it: both
@@ -109,7 +151,8 @@ def build_serde(o: SerdeOptions):
     device = resolve_device(o.device)
     sealed = o.encrypt is not None
     bind = False if sealed else None  # None: follow checksum
-    layout = dict(kv_layout=o.kv_layout, block_size=o.block_size)
+    paired = "fused" if (has_cuda() if cuda is None else cuda) else "vllm-cpu"
+    layout = dict(kv_layout=o.kv_layout, block_size=o.block_size, paired=paired)
     serializer = _serde.TQJaxSerializer(head_dim=o.head_dim, bits=o.bits, seed=o.seed, device=device, bind_key=bind, **layout, **o.codec_options())
     deserializer = _serde.TQJaxDeserializer(device=device, bind_key=serializer.bind_key, **layout)
     if not sealed:
@@ -121,9 +164,10 @@ def build_serde(o: SerdeOptions):
     )
 
 
-def created_message(o: SerdeOptions, options: tq_jax.Options, device) -> str:
+def created_message(o: SerdeOptions, options: tq_jax.Options, device, *, paired: str = "fused") -> str:
     """The INFO line logged each time LMCache builds the serde: classes, the TQ01
-    version written, and every effective option (a preset expanded, bits per K/V group).
+    version written, whether a damaged value is detected, the layout ``auto`` resolves
+    to, and every effective option (a preset expanded, bits per K/V group).
 
     Examples:
         >>> o = parse_options({})
@@ -134,7 +178,12 @@ def created_message(o: SerdeOptions, options: tq_jax.Options, device) -> str:
     readers = "tq_jax and the reference plugin read it" if version == 1 else "tq_jax reads it, the reference plugin cannot"
     names = registered_names()
     where = device if isinstance(device, str) else f"{device.platform}:{device.id}"
-    fields = {"head_dim": o.head_dim, "kv_layout": o.kv_layout, **({"block_size": o.block_size} if o.kv_layout == "vllm-cpu" else {}),
+    layout = o.kv_layout
+    if layout == "auto":
+        host = "no CUDA on this host, so vLLM runs its CPU backend" if paired == "vllm-cpu" else "CUDA on this host"
+        layout = f"auto ([L, T, H*2*D] chunks read as {paired}: {host}; set kv_layout to override)"
+    cpu_blocks = o.kv_layout == "vllm-cpu" or (o.kv_layout == "auto" and paired == "vllm-cpu")
+    fields = {"head_dim": o.head_dim, "kv_layout": layout, **({"block_size": o.block_size} if cpu_blocks else {}),
               **dataclasses.asdict(options), "preset": o.preset,
               "max_workers": o.max_workers, "device": where}
     if o.encrypt is not None:
@@ -145,10 +194,14 @@ def created_message(o: SerdeOptions, options: tq_jax.Options, device) -> str:
             f"{e.master_key_paths[0]}" + (f", opening with {', '.join(e.master_key_paths[1:])} too" if len(e.master_key_paths) > 1 else "")
             + ("; TQS1 values opened" if e.accept_tqs1 else "; TQS1 values refused")
         )
+        detects = "detects damaged values: yes (AES-GCM tag, bound to the key and tenant)"
     else:
         fields["key_binding"] = options.checksum  # a key trailer after checksummed blobs
+        detects = ("detects damaged values: yes (CRC32 and key binding)" if options.checksum else
+                   "detects damaged values: NO (no checksum: a damaged value is loaded as it is; remove format/checksum "
+                   "to write checksummed values)")
     return (
-        f"tq_jax serde created: TQJaxSerializer/TQJaxDeserializer writing TQ01 v{version} ({readers}); "
+        f"tq_jax serde created: TQJaxSerializer/TQJaxDeserializer writing TQ01 v{version} ({readers}); {detects}; "
         f"registered as {', '.join(map(repr, names)) or '(not registered)'}; "
         + " ".join(f"{k}={v}" for k, v in fields.items())
     )

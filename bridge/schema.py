@@ -4,9 +4,16 @@
 field (help, TQ01 version and allowed values from the field's metadata), plus the
 bridge-only rows (:data:`BRIDGE_ONLY`: ``head_dim``, the ``bits`` shorthand, the
 runtime's ``max_workers`` and ``device``, the reference plugin's ``use_qjl`` and
-``qjl_sketch_size``, the engine layout's ``kv_layout`` and ``block_size``, ``preset`` and ``encrypt``). :class:`SerdeOptions` and the keyword
-arguments of :class:`~tq_jax.bridge.serde.TQJaxSerializer` follow the table, so a new
-Options field is a serde option with no edit here.
+``qjl_sketch_size``, the engine layout's ``kv_layout`` and ``block_size``, ``preset``,
+``format``, ``encrypt`` and ``warmup``). :class:`SerdeOptions` and the keyword arguments
+of :class:`~tq_jax.bridge.serde.TQJaxSerializer` follow the table, so a new Options
+field is a serde option with no edit here.
+
+Safe by default (:func:`parse_options`): a serde dict that names no format option
+(:data:`FORMAT_KEYS`) writes :data:`DEFAULT_PRESET`, whose values carry a CRC32 and the
+key binding; one that names some writes TQ01 version 2 with ``checksum`` on unless it
+says otherwise. The reference plugin's version 1, which has no checksum, is written only
+when asked for by name: ``"format": "v1"`` (or the ``compat-4bit`` preset).
 
 This module imports no serde class: :mod:`~tq_jax.bridge.serde` checks its keyword
 arguments here, and :mod:`~tq_jax.bridge.registry` builds the serde from
@@ -29,6 +36,9 @@ from tq_jax.options import PRESETS
 
 __all__ = [
     "AUTO_NORMS",
+    "DEFAULT_PRESET",
+    "FORMATS",
+    "FORMAT_KEYS",
     "EncryptConfig",
     "BRIDGE_ONLY",
     "MAX_WORKERS",
@@ -44,6 +54,17 @@ __all__ = [
 ]
 
 MAX_WORKERS = 256
+
+# What a serde dict with no format option writes. Chosen by measurement (docs/vllm.md,
+# "The serde's settings"): a CRC32 and the key binding, no more bytes than v1 4-bit, and
+# a smaller error on a loaded prefix.
+DEFAULT_PRESET = "turbo-4"
+FORMATS = ("v1", "v2")
+BAD_V1 = (
+    "serde option `format` is 'v1' (TQ01 version 1, the reference plugin's format), which cannot "
+    "express {what}: version 1 has one bit width, the Haar rotation, float16 norms and no checksum. "
+    "Remove those options to write the reference's format, or remove `format` to write version 2."
+)
 
 # The bridge pins the norm dtype (default float16: TQ01 version 1, which the reference
 # reads) so that every blob's size is known from the layout alone: the core's
@@ -149,6 +170,17 @@ def _preset(name: str, value: object):
     if value is None:
         return None
     return _choice(*sorted(PRESETS), why=" Presets are documented in docs/quality.md.")(name, value)
+
+
+def _format(name: str, value: object):
+    if value is None:
+        return None
+    return _choice(*FORMATS, why=(" 'v2' (the default) carries a CRC32 and the key binding; 'v1' is the reference "
+                                  "plugin's format, without them."))(name, value)
+
+
+def _checksum(name: str, value: object):
+    return None if value is None else _flag(name, value)
 
 
 def _device(name: str, value: object) -> str:
@@ -266,18 +298,28 @@ _BRIDGE_V1 = (
     Option("block_size", 128, _int_in(2, 1 << 16), "vLLM's --block-size, read by kv_layout vllm-cpu (vLLM's CPU default: 128)"),
 )
 _BRIDGE_LAST = (
-    Option("preset", None, _preset, f"a named bundle of the v2 options: {', '.join(sorted(PRESETS))}; explicit keys override it", version=2),
+    Option("preset", None, _preset, f"a named bundle of the v2 options: {', '.join(sorted(PRESETS))}; explicit keys "
+           f"override it; with no format option at all, {DEFAULT_PRESET}", version=2),
+    Option("format", None, _format, "the TQ01 version written: v2 (the default: checksum on unless set false) or v1, the "
+           "reference plugin's format, which has no checksum (asked for by name only)"),
     Option("encrypt", None, _encrypt, "seal every value with AES-GCM under a key of its own (per tenant and value): "
            "{key_provider: hkdf, master_key_paths: [newest, ...] or master_key_path, aes_bits: 128|256, accept_tqs1: true}"),
+    Option("warmup", True, _flag, "compile the codec's programs when the serde is built, so that the first L2 hit "
+           "after a start is as fast as the next ones"),
 )
 # Where the bridge narrows an Options field: blob sizes must be known from the layout
 # alone (no norm_dtype "auto"), and LMCache configs give seeds in int32's range.
 _BRIDGE_OVERRIDES = {
     "seed": dict(check=_int_in(-(2**31), 2**31 - 1, "TQ01 stores the seed as int32.")),
     "norm_dtype": dict(default="float16", check=_norm_dtype, help="float16 (v1) or float32 (v2, never overflows)"),
+    # None: on unless `format` is "v1" (parse_options); the serializer class keeps False.
+    "checksum": dict(default=None, check=_checksum, help="CRC32 over each blob, and the key binding; on by default "
+                     "(off only with format v1)"),
 }
 BRIDGE_ONLY = tuple(o.name for o in _BRIDGE_FIRST + _BRIDGE_V1 + _BRIDGE_LAST)
 """Names of the rows that are not :class:`tq_jax.Options` fields."""
+FORMAT_KEYS = ("bits", "preset", "format", *(f.name for f in dataclasses.fields(_options.Options) if f.name != "seed"))
+"""The keys that choose what is written; a serde dict with none of them writes :data:`DEFAULT_PRESET`."""
 
 
 def _field_row(f: dataclasses.Field) -> Option:
@@ -382,22 +424,68 @@ def codec_options_for(*, head_dim: int, bits: int, seed: int, **options) -> tq_j
 def parse_options(kwargs: Mapping[str, object]) -> SerdeOptions:
     """Validates an LMCache serde dict (without ``"type"``) against :data:`OPTIONS`.
 
+    What is written (safe by default):
+
+    * no key of :data:`FORMAT_KEYS`: :data:`DEFAULT_PRESET`, checksummed and key-bound;
+    * ``"format": "v1"``, or a preset of version-1 settings (``compat-4bit``): TQ01
+      version 1, the reference plugin's format, with no checksum;
+    * anything else: version 2 with ``checksum`` on; ``"checksum": false`` with settings
+      version 1 can express writes version 1 (and ``format`` says so).
+
+    The result's ``format`` and ``checksum`` are always resolved (never None).
+
     Raises:
         ValueError: an unknown key (the message lists the valid ones), a value out of
-            range, a missing device platform, or a combination :class:`tq_jax.Options`
-            refuses (e.g. ``norm_bits`` with ``norm_dtype="float32"``).
+            range, a missing device platform, a combination :class:`tq_jax.Options`
+            refuses (e.g. ``norm_bits`` with ``norm_dtype="float32"``), or ``format``
+            "v1" with settings version 1 cannot express.
         TypeError: a value of the wrong type.
 
     Examples:
-        >>> parse_options({"bits": 3}).bits
-        3
+        >>> o = parse_options({"head_dim": 64})
+        >>> o.preset, o.format, o.checksum
+        ('turbo-4', 'v2', True)
+        >>> o = parse_options({"bits": 3})
+        >>> o.bits, o.format, o.checksum
+        (3, 'v2', True)
+        >>> parse_options({"bits": 3, "format": "v1"}).checksum
+        False
     """
     if not isinstance(kwargs, Mapping):
         raise TypeError(f"serde options must be a dict, got {type(kwargs).__name__}.")
     values = check_values(kwargs)
+    if not any(k in values for k in FORMAT_KEYS):
+        values["preset"] = DEFAULT_PRESET
     if values.get("preset"):  # a preset fills what the config does not say explicitly
         for key, value in PRESETS[values["preset"]].items():
             values.setdefault(key, value)
+        if values.get("format") is None and _is_v1(values):
+            values["format"] = "v1"  # a preset of the reference's settings names its format
+    fmt = values["format"] = values.get("format") or "v2"
+    if fmt == "v1" and (values.get("checksum") or not _is_v1(values)):
+        raise ValueError(BAD_V1.format(what=_v2_settings(SerdeOptions(**values))))
+    if values.get("checksum") is None:
+        values["checksum"] = fmt == "v2"
+    if not values["checksum"] and _is_v1(values):
+        values["format"] = "v1"  # `checksum: false` with the reference's settings: what is written is v1
     o = SerdeOptions(**values)
     tq_jax.Options.make(o.bits, seed=o.seed, **o.codec_options())  # the combination is valid
     return o
+
+
+def _is_v1(values: Mapping) -> bool:
+    """Whether the codec settings in ``values`` (checksum aside) are version 1's."""
+    codec = {k: v for k, v in values.items() if k in SerdeOptions._CODEC_NAMES and v is not None and k != "checksum"}
+    return tq_jax.Options.make(values.get("bits", 4), **codec).v1_expressible
+
+
+def _v2_settings(o) -> str:
+    """The options of ``o`` that only version 2 can express, as the config names them."""
+    base = SerdeOptions()
+    names = [n for n in SerdeOptions._CODEC_NAMES if getattr(o, n) not in (None, False, getattr(base, n))]
+    v1_bits = _wire.READ_BITS_V1
+    names = [n for n in names if not (n in ("key_bits", "value_bits") and getattr(o, n) == o.bits and o.bits in v1_bits)]
+    if o.bits not in v1_bits:
+        names.insert(0, "bits")
+    said = ", ".join(f"{n}={getattr(o, n)!r}" for n in names) or "these settings"
+    return f"preset {o.preset!r} ({said})" if o.preset else said

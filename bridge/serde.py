@@ -179,10 +179,12 @@ def _dtype_name(dtype: torch.dtype, group: int) -> str:
     return name
 
 
-def plan_layout(layout: MemoryLayoutDesc, head_dim: int, options, kv_layout: str = "auto", block_size: int = 128) -> list[GroupPlan]:
+def plan_layout(layout: MemoryLayoutDesc, head_dim: int, options, kv_layout: str = "auto", block_size: int = 128,
+                paired: str = "fused") -> list[GroupPlan]:
     """The stored shape, dtype and exact blob size of every group of ``layout``.
 
-    ``options`` is a :class:`tq_jax.Options` (or an int: v1 bits). A group is stored in
+    ``options`` is a :class:`tq_jax.Options` (or an int: v1 bits); ``paired`` is what
+    ``kv_layout="auto"`` reads an ``[L, T, H·2·D]`` chunk as. A group is stored in
     K/V order (:mod:`~tq_jax.bridge.layouts`) when its blob is TQ01 version 2 and
     ``kv_layout`` gives it one, and always under ``vllm-cpu``; other version-1 blobs keep
     the chunk's own order (the reference plugin's bytes).
@@ -201,7 +203,7 @@ def plan_layout(layout: MemoryLayoutDesc, head_dim: int, options, kv_layout: str
     plans = []
     for g, (shape, dtype) in enumerate(zip(shapes, dtypes)):
         name = _dtype_name(dtype, g)
-        f = layouts.form(shape, head_dim, kv_layout, block_size, group=g)
+        f = layouts.form(shape, head_dim, kv_layout, block_size, group=g, paired=paired)
         if opts.kv_layout and f.kv is None:
             raise ValueError(layouts.NO_KV_ORDER.format(group=g, shape=list(shape), layout=f.layout))
         # K/V order for version 2, and always for vllm-cpu (its chunk rows are not per-token vectors)
@@ -374,6 +376,10 @@ class TQJaxSerializer(Serializer):
             ``"fused"``, ``"vllm-cpu"`` or ``"latent"``.
         block_size: vLLM's block size, for ``kv_layout="vllm-cpu"`` (default 128,
             vLLM's CPU default).
+        paired: what ``kv_layout="auto"`` reads an ``[L, T, H·2·D]`` chunk as:
+            ``"fused"`` (default; vLLM's GPU backends) or ``"vllm-cpu"`` (its CPU
+            backend). The LMCache factory picks it by the host
+            (:func:`tq_jax.bridge.registry.build_serde`).
         bind_key: append the key trailer (:data:`KEY_TRAILER_BYTES`) after the blob(s),
             so that a reader refuses the value under any other key. Default: on when
             ``checksum`` is (a checksummed value is then bound to its key); version-1
@@ -391,15 +397,16 @@ class TQJaxSerializer(Serializer):
     """
 
     def __init__(self, head_dim: int = 128, bits: int = 4, seed: int = 42, device="cpu", *, kv_layout: str = "auto",
-                 block_size: int = 128, bind_key: bool | None = None, **options) -> None:
+                 block_size: int = 128, paired: str = "fused", bind_key: bool | None = None, **options) -> None:
         self.options = codec_options_for(head_dim=head_dim, bits=bits, seed=seed, **options)
         check_values({"kv_layout": kv_layout, "block_size": block_size})
-        self.kv_layout, self.block_size = kv_layout, block_size
+        self.kv_layout, self.block_size, self.paired = kv_layout, block_size, _check_paired(paired)
         self.head_dim = head_dim
         self.bits = bits
         self.seed = seed
         self.device = device if isinstance(device, jax.Device) else resolve_device(device)
         self.bind_key = self.options.checksum if bind_key is None else bool(bind_key)
+        self.on_plan = None  # called with (shapes, dtypes) of every layout planned (the registry's warm-up remembers them)
 
     def estimate_serialized_size(self, layout_desc: MemoryLayoutDesc) -> int:
         """Exact byte length of :meth:`serialize`'s output for ``layout_desc``.
@@ -412,7 +419,9 @@ class TQJaxSerializer(Serializer):
 
     def plan(self, layout_desc: MemoryLayoutDesc) -> list[GroupPlan]:
         """:func:`plan_layout` under this serializer's options and ``kv_layout``."""
-        return plan_layout(layout_desc, self.head_dim, self.options, self.kv_layout, self.block_size)
+        if self.on_plan is not None:
+            self.on_plan(layout_desc.shapes, layout_desc.dtypes)
+        return plan_layout(layout_desc, self.head_dim, self.options, self.kv_layout, self.block_size, self.paired)
 
     def serialize(self, src: MemoryObj, dst: MemoryObj, key: ObjectKey) -> int:
         """Writes the TQ01 blob(s) of ``src`` (and the key trailer) into ``dst.tensor``.
@@ -470,16 +479,17 @@ class TQJaxDeserializer(Deserializer):
 
     Args:
         device: as for :class:`TQJaxSerializer`.
-        kv_layout, block_size: as for :class:`TQJaxSerializer`: build it like the
-            serializer writing the store.
+        kv_layout, block_size, paired: as for :class:`TQJaxSerializer`: build it like
+            the serializer writing the store.
         bind_key: every value must carry CRC32-checked blobs and the trailer of the key
             it is read under (:class:`KeyMismatchError` otherwise); checked before
             anything is decoded. Build it like the serializer writing the store.
     """
 
-    def __init__(self, device="cpu", *, kv_layout: str = "auto", block_size: int = 128, bind_key: bool = False) -> None:
+    def __init__(self, device="cpu", *, kv_layout: str = "auto", block_size: int = 128, paired: str = "fused",
+                 bind_key: bool = False) -> None:
         check_values({"kv_layout": kv_layout, "block_size": block_size})
-        self.kv_layout, self.block_size = kv_layout, block_size
+        self.kv_layout, self.block_size, self.paired = kv_layout, block_size, _check_paired(paired)
         self.device = device if isinstance(device, jax.Device) else resolve_device(device)
         self.bind_key = bool(bind_key)
 
@@ -525,7 +535,7 @@ class TQJaxDeserializer(Deserializer):
         """``(form, kv_order)`` of a blob read into a destination group: which of the
         reader layout's two stored orders the blob's shape is (ValueError: neither)."""
         try:
-            f = layouts.form(dst_shape, h.shape[-1], self.kv_layout, self.block_size, group=group)
+            f = layouts.form(dst_shape, h.shape[-1], self.kv_layout, self.block_size, group=group, paired=self.paired)
         except ValueError:
             f = None  # the blob's head_dim does not fit the destination at all
         kv_order = None if f is None else layouts.which(f, h.shape)
@@ -534,6 +544,13 @@ class TQJaxDeserializer(Deserializer):
                 SHAPE_MISMATCH.format(group=group, blob_shape=list(h.shape), blob_dtype=h.dtype, bits=h.bits, dst_shape=list(dst_shape))
             )
         return f, kv_order
+
+
+def _check_paired(paired: str) -> str:
+    if paired not in layouts.PAIRED:
+        raise ValueError(f"paired must be one of {layouts.PAIRED} (what kv_layout 'auto' reads an [L, T, H*2*D] chunk as), "
+                         f"got {paired!r}.")
+    return paired
 
 
 def _blob_nbytes(h: tq_jax.Header) -> int:

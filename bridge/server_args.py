@@ -10,9 +10,11 @@ Needs no torch or LMCache (``has_cuda`` is passed in), so it is tested without t
   CUDA, where no engine can use CUDA IPC, the launcher adds
   ``--supported-transfer-mode auto`` (both paths) unless the command names a mode.
 * **The chunk layout.** A CPU vLLM fills LMCache's ``[L, T, H·2·D]`` chunks as
-  ``kv_layout "vllm-cpu"``, not as the GPU backends' ``"fused"`` that ``"auto"`` takes
-  them for. Both round-trip exactly; only settings with per-K/V bits or raw layers read
-  which vectors are keys, so for those the launcher warns on a host without CUDA.
+  ``kv_layout "vllm-cpu"``, not as the GPU backends' ``"fused"``. On a host without
+  CUDA the serde's ``"auto"`` reads them as ``vllm-cpu`` by itself
+  (:func:`tq_jax.bridge.registry.build_serde`); a serde set to ``"fused"`` there is
+  taken at its word, and the launcher warns when its settings read which vectors are
+  keys (per-K/V bits, raw layers): those would apply to the wrong vectors.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ ADDED_TRANSFER = (
 CPU_LAYOUT = (
     "no CUDA on this host, so the engine is most likely vLLM's CPU backend, whose [L, T, H*2*D] chunks "
     "hold each block's keys and then its values (kv_layout 'vllm-cpu'); the L2 adapter's tq_jax serde has "
-    "kv_layout {layout!r}, which reads them as vLLM's GPU layout ('fused'), so its per-K/V settings "
-    "({why}) would apply to the wrong vectors. Add \"kv_layout\": \"vllm-cpu\" to the serde (docs/vllm.md)."
+    "kv_layout {layout!r}, which reads them as vLLM's GPU layout, so its per-K/V settings "
+    "({why}) would apply to the wrong vectors. Remove kv_layout (auto reads them as 'vllm-cpu' on this host) "
+    "or set it to \"vllm-cpu\" (docs/vllm.md)."
 )
 
 
@@ -56,7 +59,10 @@ def _kv_settings(serde: dict) -> str:
     """Why a serde dict reads keys apart from values ('' if it does not)."""
     from tq_jax.options import PRESETS  # numpy only, no jax
 
-    given = dict(PRESETS.get(serde.get("preset"), {}))
+    from tq_jax.bridge.schema import DEFAULT_PRESET, FORMAT_KEYS  # no torch, no LMCache
+
+    preset = serde.get("preset") if any(k in serde for k in FORMAT_KEYS) else DEFAULT_PRESET
+    given = dict(PRESETS.get(preset, {}))
     given.update({k: v for k, v in serde.items() if k != "type"})
     bits = given.get("bits", 4)
     why = []
@@ -88,7 +94,7 @@ def server_defaults(args: Sequence[str], has_cuda: bool) -> tuple[list[str], lis
         notes.append(ADDED_TRANSFER)
     for serde in _serdes(args):
         layout = serde.get("kv_layout", "auto")
-        why = _kv_settings(serde) if layout in ("auto", "fused") else ""
+        why = _kv_settings(serde) if layout == "fused" else ""
         if why:
             notes.append(CPU_LAYOUT.format(layout=layout, why=why))
     return args, notes

@@ -3,7 +3,7 @@
 Give it the same JSON as the server's ``--l2-adapter``::
 
     python -m tq_jax.bridge.smoke --l2-adapter '{"type": "fs", "base_path": "./tq-jax-kv",
-        "serde": {"type": "tq_jax", "head_dim": 128, "bits": 4}}'
+        "serde": {"type": "tq_jax", "head_dim": 128}}'
 
 It registers the tq_jax serde (as :mod:`tq_jax.bridge.launch` does), builds a real LMCache
 ``StorageManager`` from that JSON with LMCache's own config parser, writes one synthetic

@@ -8,10 +8,13 @@ those extras in pyproject.toml.
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
 import re
+import shutil
 import sys
+import tempfile
 import tomllib
 
 import pytest
@@ -24,6 +27,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # a float64 QR of 576 x 576 (a Haar rotation) took 1.6-3.8 s instead of 0.02 s. Results do
 # not depend on it: test_rotation checks the rotations' digests on 1 and 2 OpenBLAS threads.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+# The LMCache serde remembers the chunk shapes it plans (tq_jax.bridge.warmup): in a
+# directory of this test process's own, never the user's cache, and gone with the run.
+if "TQ_JAX_CACHE_DIR" not in os.environ:
+    os.environ["TQ_JAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="tq_jax-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["TQ_JAX_CACHE_DIR"], ignore_errors=True)
 
 # The extras a full test run installs (the hint below); their requirements are read
 # from pyproject.toml, so a dependency added there is checked here with no second edit.

@@ -278,10 +278,10 @@ def test_docs_vllm_sizes_are_the_serializers():
     from tq_jax.bridge import registry
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "vllm.md").read_text()
-    rows = dict(re.findall(r"^\| `(\"bits\": 4|\"preset\": \"[\w.-]+\")`[^|]*\| ([\d,]+) \|", text, re.M))
-    assert set(rows) == {'"bits": 4', '"preset": "turbo-4"', '"preset": "turbo-3.5"'}
+    rows = dict(re.findall(r"^\| `(\{\}|\"\w+\": [^`]+)`[^|]*\| ([\d,]+) \|", text, re.M))
+    assert set(rows) == {"{}", '"bits": 4', '"preset": "turbo-3.5"', '"format": "v1"'}
     raw = layout([(30, 256, 384)], [BF16])
     for key, nbytes in rows.items():
-        o = registry.parse_options({"head_dim": 64, "kv_layout": "vllm-cpu", **json.loads("{" + key + "}")})
+        o = registry.parse_options({"head_dim": 64, "kv_layout": "vllm-cpu", **json.loads("{" + key.strip("{}") + "}")})
         ser, _ = registry.build_serde(o)
         assert ser.estimate_serialized_size(raw) == int(nbytes.replace(",", "")), key

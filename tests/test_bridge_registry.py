@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -25,9 +26,13 @@ import tq_jax  # noqa: E402
 import tq_jax.bridge  # noqa: E402
 from tq_jax.bridge import register  # noqa: E402
 
-from bridge_util import Events, build_manager, key, mean_cosine, store_evict_prefetch  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bridge_util import Events, build_manager, key, layout, make_obj, mean_cosine, store_evict_prefetch  # noqa: E402
 from conftest import LMCACHE_WARNINGS, free_port  # noqa: E402
 
+from tq_jax.bridge import dlpack  # noqa: E402
+from tq_jax.bridge import layouts as layouts_mod  # noqa: E402
 from tq_jax.bridge import registry as reg_mod  # noqa: E402
 pytestmark = LMCACHE_WARNINGS
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -125,11 +130,51 @@ def test_size_contract_absent_in_0_5_6(fresh_registry, monkeypatch):
 # ----------------------------------------------------------------------------- options
 
 
-def test_defaults_and_reference_config_unchanged():
-    assert reg_mod.parse_options({}) == reg_mod.SerdeOptions(128, 4, 42, 1, "cpu", False, 64)
+def test_no_format_option_writes_the_checksummed_default_preset():
+    """A serde dict that says nothing about the format gets turbo-4: a CRC32 and the key
+    binding on every value (a damaged value is refused, never loaded)."""
+    for cfg in ({}, {"head_dim": 64}, {"seed": 7, "max_workers": 2, "kv_layout": "vllm-cpu"}):
+        o = reg_mod.parse_options(cfg)
+        assert (o.preset, o.format, o.checksum) == ("turbo-4", "v2", True), cfg
+        ser, de = reg_mod.build_serde(o)
+        assert ser.options == tq_jax.Options.make(4, seed=o.seed, norm_dtype="float16", **tq_jax.PRESETS["turbo-4"])
+        assert ser.bind_key and de.bind_key
+    # The reference plugin's keys are read as before; naming bits makes them v2 with a checksum.
     ref_cfg = {"head_dim": 128, "bits": 4, "seed": 42, "use_qjl": False, "qjl_sketch_size": 64, "max_workers": 1}
     o = reg_mod.parse_options(ref_cfg)
-    assert (o.head_dim, o.bits, o.seed, o.max_workers) == (128, 4, 42, 1)
+    assert (o.head_dim, o.bits, o.seed, o.max_workers, o.preset, o.format, o.checksum) == (128, 4, 42, 1, None, "v2", True)
+    opts = tq_jax.Options.make(o.bits, seed=o.seed, **o.codec_options())
+    assert (opts.key_bits, opts.value_bits, opts.rotation, opts.checksum) == (4, 4, "haar", True)
+
+
+def test_v1_is_written_only_when_asked_for_by_name():
+    v1 = tq_jax.Options.make(4, norm_dtype="float16")
+    for cfg in ({"format": "v1"}, {"format": "v1", "bits": 4}, {"preset": "compat-4bit"}):
+        o = reg_mod.parse_options(cfg)
+        assert (o.format, o.checksum) == ("v1", False), cfg
+        ser, de = reg_mod.build_serde(o)
+        assert ser.options == v1 and ser.options.v1_expressible and not ser.bind_key and not de.bind_key
+    assert reg_mod.parse_options({"format": "v1", "bits": 3}).bits == 3
+    # checksum off, explicitly, with the reference's settings: what is written is v1, and format says so
+    o = reg_mod.parse_options({"bits": 4, "checksum": False})
+    assert (o.format, o.checksum) == ("v1", False)
+
+
+@pytest.mark.parametrize(("cfg", "said"), [
+    ({"format": "v1", "checksum": True}, "checksum=True"),
+    ({"format": "v1", "key_bits": 5}, "key_bits=5"),
+    ({"format": "v1", "bits": 5}, "bits=5"),
+    ({"format": "v1", "preset": "turbo-4"}, "preset 'turbo-4' (key_bits=5, value_bits=3"),
+])
+def test_v1_with_settings_it_cannot_express_is_refused(cfg, said):
+    with pytest.raises(ValueError, match=re.escape(said)) as e:
+        reg_mod.parse_options(cfg)
+    assert "remove `format` to write version 2" in str(e.value)
+
+
+def test_an_unknown_format_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match=r"`format` must be one of \('v1', 'v2'\), got 'tq01'"):
+        reg_mod.make_serde_processor({"format": "tq01"})
 
 
 def test_unknown_key_lists_valid_ones():
@@ -177,7 +222,8 @@ def test_v2_options_and_presets():
     assert (o.key_bits, o.value_bits, o.skip_first_layers, o.rotation, o.checksum) == (4, 2, 2, "hadamard", False)
     opts = tq_jax.Options.make(o.bits, seed=o.seed, **o.codec_options())
     assert not opts.v1_expressible and opts.value_bits == 2
-    assert tq_jax.Options.make(4, **reg_mod.parse_options({}).codec_options()).v1_expressible
+    assert not tq_jax.Options.make(4, **reg_mod.parse_options({}).codec_options()).v1_expressible
+    assert tq_jax.Options.make(4, **reg_mod.parse_options({"format": "v1"}).codec_options()).v1_expressible
 
 
 def test_option_table_shape():
@@ -203,19 +249,21 @@ def test_factory_builds_with_max_workers():
 
 
 def _created_lines(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "tq_jax.bridge.registry" and r.levelno == logging.INFO]
+    return [r.getMessage() for r in caplog.records
+            if r.name == "tq_jax.bridge.registry" and r.levelno == logging.INFO and "serde created" in r.getMessage()]
 
 
 def test_each_creation_logs_one_info_line(caplog):
     register()
     caplog.set_level(logging.INFO, logger="tq_jax.bridge.registry")
     for n in (1, 2):
-        proc = create_serde_processor(SerdeConfig("tq_jax", {"bits": 3, "head_dim": 64}))
+        proc = create_serde_processor(SerdeConfig("tq_jax", {"bits": 3, "head_dim": 64, "format": "v1"}))
         proc.close()
         lines = _created_lines(caplog)
         assert len(lines) == n
     line = lines[-1]
     assert line.startswith("tq_jax serde created: TQJaxSerializer/TQJaxDeserializer writing TQ01 v1 ")
+    assert "detects damaged values: NO (no checksum" in line
     assert "registered as 'tq_jax', 'tqai'" in line
     for field in ("head_dim=64", "key_bits=3", "value_bits=3", "seed=42", "rotation=haar",
                   "norm_dtype=float16", "checksum=False", "max_workers=1", "device=cpu:0"):
@@ -258,7 +306,7 @@ def test_plugin_adapter_loads_the_serde_from_config_alone(tmp_path, fresh_regist
         "module_path": "tq_jax.bridge.plugin",
         "class_name": "L2Adapter",
         "adapter_params": {"type": "fs", "base_path": str(tmp_path)},
-        "serde": {"type": "tq_jax", "bits": 4},
+        "serde": {"type": "tq_jax", "format": "v1"},
     }
     events = Events()
     sm = build_manager(adapter, l1_gb=0.1)
@@ -410,3 +458,133 @@ def test_quiet_lmcache_levels(monkeypatch):
     with logs.quiet_lmcache(restore=False):
         lg = init_logger("lmcache.tq_jax_test.help")
     assert lg.level == logging.WARNING and os.environ["LMCACHE_DISABLE_BANNER"] == "1"
+
+
+# ----------------------------------------------------------------------------- the host's layout
+
+
+CPU_CHUNK = (2, 256, 384)  # [L, T, H*2*D]: 2 layers of SmolLM2's CPU chunk
+
+
+def obj_of(t: torch.Tensor):
+    o = make_obj([tuple(t.shape)], [t.dtype])
+    o.tensor.copy_(t)
+    return o
+
+
+@pytest.mark.parametrize(("cfg", "cuda", "want"), [
+    ({}, False, "vllm-cpu"),  # no CUDA: vLLM's CPU worker fills [L, T, H*2*D] chunks
+    ({}, True, "fused"),  # CUDA: its GPU backends do
+    ({"kv_layout": "fused"}, False, "fused"),  # explicit settings win
+    ({"kv_layout": "vllm-cpu", "block_size": 64}, True, "vllm-cpu"),
+])
+def test_auto_layout_follows_the_host(cfg, cuda, want):
+    """``auto`` stores a paired chunk in the K/V order of the layout the host's vLLM
+    fills (checked against the layout's own form) and restores it exactly."""
+    ser, de = reg_mod.build_serde(reg_mod.parse_options({"head_dim": 64, **cfg}), cuda=cuda)
+    (plan,) = ser.plan(layout([CPU_CHUNK], [torch.bfloat16]))
+    assert plan.form.layout == want
+    expect = layouts_mod.form(CPU_CHUNK, 64, want, cfg.get("block_size", 128))
+    assert plan.stored == expect.kv
+    src = torch.randn(CPU_CHUNK, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    value = np.empty(ser.estimate_serialized_size(layout([CPU_CHUNK], [torch.bfloat16])), np.uint8)
+    ser.encode_into(obj_of(src), value, key(0, "host"))
+    out = obj_of(torch.zeros(CPU_CHUNK, dtype=torch.bfloat16))
+    de.decode_from(value, out, key(0, "host"))
+    # decoded through the right grouping, every key vector of the chunk is close to its original
+    got = layouts_mod.to_stored(dlpack.numpy_view(out.tensor).astype(np.float32), expect, True)
+    ref = layouts_mod.to_stored(dlpack.numpy_view(src).astype(np.float32), expect, True)
+    cos = (got * ref).sum(-1) / (np.linalg.norm(got, axis=-1) * np.linalg.norm(ref, axis=-1))
+    assert cos[0].mean() > 0.995 and cos[1].mean() > 0.97  # 5-bit keys, 3-bit values
+
+
+def test_creation_line_says_how_auto_reads_the_chunks(caplog):
+    register()
+    caplog.set_level(logging.INFO, logger="tq_jax.bridge.registry")
+    proc = reg_mod.make_serde_processor({"head_dim": 64, "warmup": False})
+    proc.close()
+    (line,) = _created_lines(caplog)
+    cuda = torch.cuda.is_available()
+    want = "fused: CUDA on this host" if cuda else "vllm-cpu: no CUDA on this host, so vLLM runs its CPU backend"
+    assert f"kv_layout=auto ([L, T, H*2*D] chunks read as {want}" in line
+    assert "writing TQ01 v2" in line and "detects damaged values: yes (CRC32 and key binding)" in line
+    assert (" block_size=128" in line) is not cuda
+
+
+# ----------------------------------------------------------------------------- warm-up
+
+
+WARM_CHILD = r"""
+import json, sys
+import numpy as np, torch
+from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+import tq_jax.blob
+from tq_jax.bridge import registry
+sys.path.insert(0, "tests")
+from bridge_util import byte_obj, make_obj
+cfg, shape, store = json.loads(sys.argv[1]), tuple(json.loads(sys.argv[2])), sys.argv[3] == "store"
+registry.register()
+proc = registry.make_serde_processor(cfg)
+ser, de = proc._serializer, proc._deserializer
+before = tq_jax.blob.compiled_programs()
+lay = MemoryLayoutDesc(shapes=[torch.Size(shape)], dtypes=[torch.bfloat16])
+k = ObjectKey(chunk_hash=b"w".ljust(32, b"\0"), model_name="m", kv_rank=0)
+src = make_obj([shape], [torch.bfloat16])
+src.tensor.copy_(torch.randn(shape).to(torch.bfloat16))
+value = byte_obj(ser.estimate_serialized_size(lay))
+ser.serialize(src, value, k)
+de.deserialize(value, make_obj([shape], [torch.bfloat16]), k)
+print(json.dumps({"compiled_at_first_use": tq_jax.blob.compiled_programs() - before}))
+proc.close()
+"""
+
+
+def _first_use(tmp_path, cfg: dict, shape) -> int:
+    """Programs compiled by a fresh process's first store and load of a ``shape`` chunk,
+    after the serde was built (its warm-up done), with ``tmp_path`` as its cache dir."""
+    env = {**os.environ, "TQ_JAX_CACHE_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu", "LMCACHE_LOG_LEVEL": "ERROR"}
+    r = subprocess.run([sys.executable, "-c", WARM_CHILD, json.dumps(cfg), json.dumps(list(shape)), "store"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])["compiled_at_first_use"]
+
+
+@pytest.mark.slow
+def test_a_started_serde_compiles_nothing_at_its_first_hit(tmp_path):
+    """Full blocks are warm from the first start; a chunk shape with a short last block
+    (SmolLM2's chunk, 6 of its 30 layers) compiles at its first use once, and is warm
+    at every later start (remembered under TQ_JAX_CACHE_DIR); without the warm-up
+    everything compiles at first use."""
+    cfg = {"head_dim": 64, "kv_layout": "vllm-cpu", "format": "v1"}  # one segment of 2*L*T*H vectors
+    full = (4, 1024, 384)  # 24,576 vectors: 3 full blocks of 8,192
+    short = (6, 256, 384)  # 9,216 vectors: a full block and a last block of 1,024
+    assert _first_use(tmp_path / "a", cfg, full) == 0
+    assert _first_use(tmp_path / "b", cfg, short) > 0  # a new replica: its last block compiles once
+    assert json.loads(next((tmp_path / "b").glob("lmcache-chunks-*.json")).read_text()) == [[list(short), "bfloat16"]]
+    assert _first_use(tmp_path / "b", cfg, short) == 0  # restarted: remembered and warmed
+    assert _first_use(tmp_path / "c", {**cfg, "warmup": False}, full) > 0
+
+
+def test_chunk_shapes_are_remembered_per_setting(tmp_path, caplog):
+    from tq_jax.bridge.warmup import MAX_SHAPES, ChunkShapes
+
+    a = ChunkShapes("setting a", tmp_path)
+    for t in range(MAX_SHAPES + 2):
+        a.add([torch.Size((30, 256 * (t + 1), 384))], [torch.bfloat16])
+        a.add([torch.Size((30, 256 * (t + 1), 384))], [torch.bfloat16])  # seen again: not added twice
+    a.add([torch.Size((2, 2)), torch.Size((2, 2))], [torch.bfloat16] * 2)  # multi-group layouts are not warmed
+    again = ChunkShapes("setting a", tmp_path).shapes
+    assert again == a.shapes and len(again) == MAX_SHAPES
+    assert again[0] == ((30, 256 * 3, 384), "bfloat16") and again[-1] == ((30, 256 * (MAX_SHAPES + 2), 384), "bfloat16")
+    assert ChunkShapes("setting b", tmp_path).shapes == []
+    a.path.write_text("not json")
+    caplog.set_level(logging.WARNING, logger="tq_jax.bridge.warmup")
+    assert ChunkShapes("setting a", tmp_path).shapes == []
+    assert "ignoring the remembered chunk shapes" in caplog.text
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    c = ChunkShapes("setting c", blocked)  # a file where the directory should be
+    c.add([torch.Size((1, 256, 128))], [torch.bfloat16])
+    c.add([torch.Size((2, 256, 128))], [torch.bfloat16])
+    assert c.shapes == [((1, 256, 128), "bfloat16"), ((2, 256, 128), "bfloat16")]  # kept in memory
+    assert caplog.text.count("cannot remember chunk shapes") == 1  # said once

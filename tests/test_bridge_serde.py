@@ -106,8 +106,8 @@ def test_stored_shapes():
 def test_processor_workers_bit_identical(bits):
     shape = (2, 4, 64, 512)
     srcs = [kv(shape, seed=i) for i in range(8)]
-    serial = processor(bits=bits, max_workers=1)
-    parallel = processor(bits=bits, max_workers=4)
+    serial = processor(bits=bits, max_workers=1, format="v1")
+    parallel = processor(bits=bits, max_workers=4, format="v1")
     try:
         blobs1, objs1 = serialize(serial, srcs)
         blobs4, objs4 = serialize(parallel, srcs)

@@ -22,6 +22,7 @@ from lmcache.v1.distributed.serde import AsyncSerdeProcessor, Deserializer, Seri
 from lmcache.v1.distributed.serde import factory as lmc_factory  # noqa: E402
 
 import tq_jax  # noqa: E402
+from tq_jax import frames  # noqa: E402
 from tq_jax.bridge import smoke  # noqa: E402
 
 from conftest import LMCACHE_WARNINGS  # noqa: E402
@@ -36,7 +37,7 @@ STORED = (2, 2, 64, 2, 128)
 def test_smoke_command_round_trips_through_fs(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("LMCACHE_LOG_LEVEL", "LMCACHE_DISABLE_BANNER")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    adapter = {"type": "fs", "base_path": str(tmp_path), "serde": {"type": "tq_jax", "head_dim": 128, "bits": 4}}
+    adapter = {"type": "fs", "base_path": str(tmp_path), "serde": {"type": "tq_jax", "head_dim": 128}}  # the default
     r = subprocess.run(
         [sys.executable, "-m", "tq_jax.bridge.smoke", *SMALL, "--l2-adapter", json.dumps(adapter)],
         env=env, capture_output=True, text=True, timeout=120,
@@ -44,7 +45,8 @@ def test_smoke_command_round_trips_through_fs(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     out = r.stdout
     assert out.splitlines()[-1] == "OK"
-    size = tq_jax.serialized_size(STORED, "bfloat16", 4)
+    # turbo-4 (the default) and the key trailer after its blob
+    size = tq_jax.serialized_size(STORED, "bfloat16", options="turbo-4") + frames.KEY_TRAILER_BYTES
     bf16 = 2 * 2 * 64 * 256 * 2
     m = re.search(r"stored: ([\d,]+) bytes per chunk \(reported by the adapter\): ([\d.]+) % of bf16", out)
     assert m, out
@@ -54,7 +56,7 @@ def test_smoke_command_round_trips_through_fs(tmp_path):
     assert 0.99 <= cos <= 1.0
     # The operator sees that the serde is active, once; LMCache's INFO lines stay hidden.
     assert r.stderr.count("tq_jax serde created") == 1
-    assert "writing TQ01 v1" in r.stderr and "key_bits=4" in r.stderr
+    assert "writing TQ01 v2" in r.stderr and "detects damaged values: yes" in r.stderr and "key_bits=5" in r.stderr
     assert "LMCache INFO" not in r.stderr and "FutureWarning" not in r.stderr
     assert not list(tmp_path.rglob("*.data"))  # the smoke chunk was deleted from L2 again
 

@@ -51,7 +51,7 @@ def test_fs_round_trip_w1(tmp_path, chunks, bits):
     register()
     events = Events()
     sm = build_manager(
-        {"type": "fs", "base_path": str(tmp_path), "serde": {"type": "tq_jax", "head_dim": 128, "bits": bits}},
+        {"type": "fs", "base_path": str(tmp_path), "serde": {"type": "tq_jax", "head_dim": 128, "bits": bits, "format": "v1"}},
         l1_gb=0.6,
     )
     keys = [key(i, f"w1-{bits}") for i in range(N_CHUNKS)]

@@ -170,13 +170,15 @@ def test_bridge_table_is_the_fields_plus_the_bridge_only_rows(registry):
     assert set(names) == set(FIELDS) | set(registry.BRIDGE_ONLY)
     assert not set(FIELDS) & set(registry.BRIDGE_ONLY)
     assert set(registry.BRIDGE_ONLY) == {"head_dim", "bits", "max_workers", "device", "use_qjl", "qjl_sketch_size", "kv_layout", "block_size",
-                                         "preset", "encrypt"}
+                                         "preset", "format", "encrypt", "warmup"}
     assert [f.name for f in dataclasses.fields(registry.SerdeOptions)] == names
     rows = {o.name: o for o in registry.OPTIONS}
     for name, f in FIELDS.items():
         assert rows[name].version == f.metadata["version"], name
         if name == "norm_dtype":  # the bridge's sizes follow from the layout: no "auto"
             assert rows[name].default == "float16"
+        elif name == "checksum":  # on unless format v1 (parse_options resolves it)
+            assert rows[name].default is None and registry.parse_options({}).checksum
         elif f.default is dataclasses.MISSING:
             assert rows[name].default is None  # filled from `bits`
         else:

@@ -84,7 +84,7 @@ def test_lmcache_lines_are_complete_json_for_the_same_adapter():
     assert set(lines) == {"launch", "smoke"}
     launch, smoke = _adapter(lines["launch"]), _adapter(lines["smoke"])
     assert launch == smoke
-    assert launch["serde"] == {"type": "tq_jax", "head_dim": 128, "bits": 4}
+    assert launch["serde"] == {"type": "tq_jax", "head_dim": 128}  # the safe default: no format option
     assert not os.path.isabs(launch["base_path"])  # under the directory it runs in: works on any machine
     assert "..." not in " ".join(lines["launch"])
 

@@ -12,6 +12,7 @@ Each test prints its row of the fault table (``docs/hardening.md``; run with ``-
 
 from __future__ import annotations
 
+import logging
 import signal
 import time
 
@@ -486,3 +487,30 @@ def test_two_encrypted_tenants_same_prompt_each_load_their_own(redis_server, ope
         rc.set(describe_key(kb), rc.get(describe_key(ka)))
     assert st.get(keys_b) == [None] * 4
     row("encrypted: tenant A's value copied to B's key", "turbo-3.5 + encrypt", ["miss"] * 4)
+
+
+def test_resp_reconnect_server_down_at_start_up(redis_server, open_store, caplog):  # noqa: F811
+    """A store that is down when the server starts: the adapter is built anyway, says so
+    once, fails every store and misses every lookup at once (no hang), and serves from
+    the store as soon as it answers, in the same StorageManager."""
+    redis_server.kill()
+    caplog.set_level(logging.WARNING, logger="tq_jax.bridge.reconnect")
+    st = open_store(redis_server.port, "turbo-3.5", adapter={"type": "resp_reconnect", "reconnect_interval": 0.2})
+    (said,) = [r.getMessage() for r in caplog.records if "does not answer at start-up" in r.getMessage()]
+    assert f"127.0.0.1:{redis_server.port}" in said and "the engine computes" in said
+    keys, data = [okey(i, "down-at-start") for i in range(2)], chunks(2, seed=21)
+    t0 = time.monotonic()
+    assert st.put(keys, data, timeout=10) == (0, 2)  # reported failed, promptly
+    st.drop_l1(keys)
+    assert st.get(keys) == [None, None]
+    assert time.monotonic() - t0 < 10
+    redis_server.start()
+    deadline = time.monotonic() + 20
+    while st.put(keys[:1], data[:1], timeout=10) != (1, 0):  # connected within reconnect_interval of its return
+        assert time.monotonic() < deadline, "the adapter did not connect within 20 s of the server's start"
+        st.drop_l1(keys[:1])
+        time.sleep(0.1)
+    st.drop_l1(keys[:1])
+    (y,) = st.get(keys[:1])
+    cos = torch.nn.functional.cosine_similarity(data[0].float().reshape(-1, 128), y.float().reshape(-1, 128)).mean()
+    assert cos > 0.96
