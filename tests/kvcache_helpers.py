@@ -1,36 +1,17 @@
-"""Helpers shared by the kvcache tests: dense float64 attention (the reference), what
-``tq_jax.dumps`` writes for one sequence, and ragged appends."""
+"""Helpers shared by the kvcache tests: what ``tq_jax.dumps`` writes for one sequence and
+what ``tq_jax.loads`` decodes from it (the inputs of :mod:`tq_jax.kvcache.reference`),
+and ragged appends."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import tq_jax
 from tq_jax import kvcache
+from tq_jax.kvcache import reference
 
 D = 64  # head_dim of the small caches
 H = 2  # kv_heads
-
-
-def dense_attention(q, k, v, sliding_window=None, scale=None):
-    """Causal softmax attention, float64: q [Q, Hq, D] are the last Q positions of k/v [T, H, D].
-    With ``sliding_window`` W a query at position p sees positions p-W+1..p; ``scale``
-    defaults to 1/sqrt(D)."""
-    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
-    n_q, q_heads, dim = q.shape
-    t, heads = k.shape[:2]
-    g = q_heads // heads
-    scale = 1 / np.sqrt(dim) if scale is None else scale
-    s = np.einsum("qhgd,thd->hgqt", q.reshape(n_q, heads, g, dim), k) * scale
-    qpos = (t - n_q + np.arange(n_q))[:, None]
-    allowed = np.arange(t)[None, :] <= qpos  # [Q, T]
-    if sliding_window is not None:
-        allowed &= np.arange(t)[None, :] > qpos - sliding_window
-    s = np.where(allowed, s, -np.inf)
-    top = np.max(s, axis=-1, keepdims=True)
-    p = np.where(allowed, np.exp(s - np.where(np.isfinite(top), top, 0)), 0)
-    l = p.sum(-1, keepdims=True)
-    out = np.einsum("hgqt,thd->qhgd", p / np.where(l == 0, 1, l), v)  # no key visible: zeros
-    return out.reshape(n_q, q_heads, dim)
 
 
 def dumps_kv(k, v, cfg):
@@ -39,6 +20,18 @@ def dumps_kv(k, v, cfg):
     if cfg.key_bits == cfg.value_bits:
         return tq_jax.dumps(x, bits=cfg.key_bits, seed=cfg.seed, rotation=cfg.rotation)
     return tq_jax.dumps(x, key_bits=cfg.key_bits, value_bits=cfg.value_bits, seed=cfg.seed, rotation=cfg.rotation)
+
+
+def decoded_kv(k, v, cfg):
+    """The K/V ``[2, T, H, D]`` (float64) that ``tq_jax.loads`` decodes from :func:`dumps_kv`'s blob."""
+    return np.asarray(tq_jax.loads(dumps_kv(k, v, cfg), dtype=jnp.float32), np.float64)[:, 0]
+
+
+def attend_reference(k, v, cfg, q, exact_from=0):
+    """:func:`tq_jax.kvcache.reference.attend` for one sequence of a cache configured by
+    ``cfg`` holding ``k, v [T, H, D]``, its codes decoded through ``dumps``/``loads``."""
+    return reference.attend(q, np.stack([k, v]), decoded_kv(k, v, cfg), window=cfg.window, sinks=cfg.sinks,
+                            exact_from=exact_from)
 
 
 def fill(cache, rng, first, second, n_new=16, scale=1.0):

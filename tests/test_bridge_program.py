@@ -26,7 +26,7 @@ from tq_jax.bridge import serde as S  # noqa: E402
 from bridge_util import byte_obj, key, layout, make_obj  # noqa: E402
 
 from conftest import LMCACHE_WARNINGS  # noqa: E402
-from test_program import assert_decoded_like  # noqa: E402
+from device_path_helpers import assert_decoded_like  # noqa: E402
 
 pytestmark = LMCACHE_WARNINGS
 SHAPE = (2, 4, 48, 512)  # [K/V, layers, tokens, heads * head_dim]

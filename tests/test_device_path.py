@@ -24,6 +24,7 @@ from tq_jax import program as program_mod
 from tq_jax import resident as resident_mod
 
 from conftest import sweep
+from device_path_helpers import options_from, random_input
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,17 +44,6 @@ CASES = sweep(
     ],
     fast=3,
 )
-
-
-def _options(kw):
-    kw = dict(kw)
-    if "preset" in kw:
-        return tq_jax.Options.make(**tq_jax.PRESETS[kw.pop("preset")], **kw)
-    return tq_jax.Options.make(**kw)
-
-
-def _input(shape, dtype, seed=0):
-    return np.random.default_rng(seed).standard_normal(shape, np.float32).astype(jnp.dtype(dtype))
 
 
 @pytest.fixture(params=resident_mod.EXECUTORS)
@@ -88,8 +78,8 @@ def no_host_copy(resident, monkeypatch):
 
 @pytest.mark.parametrize("shape,dtype,kw,block", CASES)
 def test_jax_array_gives_the_numpy_bytes(shape, dtype, kw, block, resident, monkeypatch):
-    x = _input(shape, dtype)
-    opts = _options(kw)
+    x = random_input(shape, dtype)
+    opts = options_from(kw)
     want = tq_jax.dumps(x, options=opts, block_vectors=block)
     xj = jnp.asarray(x)
     seen = []
@@ -109,7 +99,7 @@ def test_jax_array_gives_the_numpy_bytes(shape, dtype, kw, block, resident, monk
 
 @pytest.mark.parametrize("shape,dtype,kw,block", CASES)
 def test_loads_on_a_device_equals_loads(shape, dtype, kw, block, monkeypatch):
-    b = tq_jax.dumps(_input(shape, dtype, 1), options=_options(kw))
+    b = tq_jax.dumps(random_input(shape, dtype, 1), options=options_from(kw))
     _check_resident_loads(b, block, monkeypatch)
 
 
@@ -155,7 +145,7 @@ def test_cpu_devices_keep_the_zero_copy_host_pipeline(monkeypatch):
     filled = []
     real = blocks_mod.decode_plan
     monkeypatch.setattr(blocks_mod, "decode_plan", lambda p, plan, out, *a: filled.append(out) or real(p, plan, out, *a))
-    x = _input((4, 40, 64), "float32")
+    x = random_input((4, 40, 64), "float32")
     b = tq_jax.dumps(x, bits=4)
     out = tq_jax.loads(b, device=jax.devices()[0])
     assert len(filled) == 1 and np.asarray(out).ctypes.data == filled[0].ctypes.data  # no copy
@@ -179,8 +169,8 @@ def test_device_path_keeps_the_host_path_errors(no_host_copy, monkeypatch):
 
 
 def test_second_call_does_not_recompile(compiles, no_host_copy):
-    x = jnp.asarray(_input((2, 2, 50, 2, 64), "bfloat16", 2))
-    opts = _options(dict(preset="turbo-3.5"))
+    x = jnp.asarray(random_input((2, 2, 50, 2, 64), "bfloat16", 2))
+    opts = options_from(dict(preset="turbo-3.5"))
     dev = jax.devices()[0]
     b = tq_jax.dumps(x, options=opts, block_vectors=64)
     tq_jax.loads(b, device=dev, block_vectors=64)
@@ -193,7 +183,7 @@ def test_second_call_does_not_recompile(compiles, no_host_copy):
 
 
 def test_options_argument():
-    x = _input((3, 5, 64), "float32")
+    x = random_input((3, 5, 64), "float32")
     opts = tq_jax.Options.make(3, rotation="hadamard")
     want = tq_jax.dumps(x, bits=3, rotation="hadamard")
     assert tq_jax.dumps(x, options=opts) == want

@@ -1,8 +1,8 @@
 """tq_jax.kvcache: attention on TQ01 codes equals dense attention over the decoded blob.
 
 The reference for every check is independent of the cache: ``tq_jax.dumps`` of the same
-tokens (bytes), ``tq_jax.loads`` of that blob (the K/V the codes stand for), and a few
-lines of dense float64 attention below. The grid is lean on purpose (compiles dominate):
+tokens (bytes), ``tq_jax.loads`` of that blob (the K/V the codes stand for), and dense
+float64 attention over them (``tq_jax.kvcache.reference``). The grid is lean on purpose (compiles dominate):
 each case covers several axes at once.
 """
 
@@ -21,8 +21,9 @@ import pytest
 
 import tq_jax
 from conftest import sweep
-from kvcache_helpers import D, H, dense_attention, dumps_kv, fill, with_impls
+from kvcache_helpers import D, H, dumps_kv, fill, with_impls
 from tq_jax import kvcache
+from tq_jax.kvcache.reference import dense_attention
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

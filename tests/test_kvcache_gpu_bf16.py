@@ -23,26 +23,20 @@ import pytest
 
 import tq_jax
 from tq_jax import kvcache
-from tq_jax.kvcache import pallas_gpu
+from tq_jax.kvcache import pallas_gpu, reference
 
-from test_kvcache import D, H, dense_attention, dumps_kv, fill
+from kvcache_helpers import D, H, decoded_kv, fill
 
 BOUND = 1.5  # x the error of jax.nn.dot_product_attention in bf16 (docs/accelerator.md)
 
 
 def _reference_kv(cache, ks, vs):
-    """Each sequence's K/V as attention should read them, float32 ``[T, H, D]``: the
-    blob's decoded vectors, except the exact window and sinks (``exact_from`` is 0 here),
-    which the cache holds in its dtype (float32 in these tests: the appended values)."""
-    cfg, out = cache.config, []
-    for b in range(len(ks)):
-        kv = np.asarray(tq_jax.loads(dumps_kv(ks[b], vs[b], cfg), dtype=jnp.float32))
-        k, v = kv[0, 0].copy(), kv[1, 0].copy()
-        t = np.arange(len(ks[b]))
-        exact = (t >= len(ks[b]) - cfg.window) | (t < cfg.sinks)
-        k[exact], v[exact] = ks[b][exact], vs[b][exact]
-        out.append((k, v))
-    return out
+    """Each sequence's K/V as attention should read them (``reference.read_kv``), float64
+    ``[2, T, H, D]``: the blob's decoded vectors, except the exact window and sinks, which
+    the cache holds in its dtype (float32 in these tests: the appended values)."""
+    cfg = cache.config
+    return [reference.read_kv(np.stack([k, v]), decoded_kv(k, v, cfg), window=cfg.window, sinks=cfg.sinks)
+            for k, v in zip(ks, vs)]
 
 
 # jitted: op by op it compiled ~40 programs per shape; the outputs are the same bits
@@ -75,7 +69,7 @@ def errors(cache, ks, vs, q, tuning, err=_rms_err):
     q64 = np.asarray(q, np.float64)  # the bf16 queries' values
     refs, dpas = [], []
     for b, (k, v) in enumerate(_reference_kv(cache, ks, vs)):
-        refs.append(dense_attention(q64[b], k, v))
+        refs.append(reference.dense_attention(q64[b], k, v))
         dpas.append(_dpa_bf16(q64[b], k, v))
     ref = np.stack(refs)
     return err(out, ref), err(np.stack(dpas), ref)
@@ -134,12 +128,10 @@ def test_bf16_mode_bound_at_head_dim_128(init_kw, group, page_size, window, sink
     q64 = np.asarray(q, np.float64)
     refs, dpas = [], []
     for b in range(batch):
-        kv = np.asarray(tq_jax.loads(kvcache.export(cache, seq=b), dtype=jnp.float32))
-        kb, vb = kv[0, 0].copy(), kv[1, 0].copy()
-        t = np.arange(n[b])
-        exact = (t >= n[b] - window) | (t < sinks)
-        kb[exact], vb[exact] = k[b, : n[b]][exact], v[b, : n[b]][exact]
-        refs.append(dense_attention(q64[b], kb, vb))
+        decoded = np.asarray(tq_jax.loads(kvcache.export(cache, seq=b), dtype=jnp.float32))[:, 0]
+        exact = np.stack([k[b, : n[b]], v[b, : n[b]]])
+        kb, vb = reference.read_kv(exact, decoded, window=window, sinks=sinks)
+        refs.append(reference.dense_attention(q64[b], kb, vb))
         dpas.append(_dpa_bf16(q64[b], kb, vb))
     ref = np.stack(refs)
     kernel, dpa = _rms_err(out, ref), _rms_err(np.stack(dpas), ref)

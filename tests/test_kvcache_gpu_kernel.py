@@ -1,6 +1,6 @@
 """tq_jax.kvcache.pallas_gpu: the Pallas/Triton decode kernel, run by the Pallas
-interpreter on CPU, against dense float64 attention over the decoded blob (the
-references of tests/test_kvcache.py, which also runs this kernel through its
+interpreter on CPU, against dense float64 attention over the decoded blob
+(``tq_jax.kvcache.reference``; tests/test_kvcache.py also runs this kernel through its
 impl-parametrized tests), plus its lowering to Triton IR for CUDA (JAX lowers for a
 platform it does not run on, so Triton lowering errors show up here too).
 """
@@ -13,20 +13,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import tq_jax
 from tq_jax import kvcache
 from tq_jax.kvcache import pallas_gpu, scoring
+from tq_jax.kvcache.reference import dense_attention
 
-from test_kvcache import D, H, dense_attention, dumps_kv, fill
+from kvcache_helpers import D, H, decoded_kv, fill
 
 
 def _decoded(cache, ks, vs):
-    """Each sequence's K/V as the blob decodes them: float32 [T, H, D] pairs."""
-    out = []
-    for b in range(len(ks)):
-        kv = np.asarray(tq_jax.loads(dumps_kv(ks[b], vs[b], cache.config), dtype=jnp.float32))
-        out.append((kv[0, 0], kv[1, 0]))
-    return out
+    """Each sequence's K/V as the blob decodes them: float64 ``[2, T, H, D]``."""
+    return [decoded_kv(k, v, cache.config) for k, v in zip(ks, vs)]
 
 
 def _attend(cache, q, tuning=pallas_gpu.DEFAULT_TUNING):

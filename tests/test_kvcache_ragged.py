@@ -1,9 +1,10 @@
 """tq_jax.kvcache.ragged: ragged paged attention over packed codes, driven as a serving
 engine drives it (its own page tables, slots and flat query batches).
 
-References, independent of the pool: dense float64 attention over K/V whose positions in
-each sequence's window (the last ``window``) and sinks (the first ``sinks``) are the
-tokens as given and the rest ``tq_jax.loads(tq_jax.dumps(...))`` of them; jax's own
+References, independent of the pool: ``tq_jax.kvcache.reference.ragged_attend``, dense
+float64 attention over K/V whose positions in each sequence's window (the last
+``window``) and sinks (the first ``sinks``) are the tokens as given and the rest
+``tq_jax.loads(tq_jax.dumps(...))`` of them, read through the engine's page table; jax's own
 reference of the RPA argument form (``ref_ragged_paged_attention``); and
 ``tq_jax.kvcache.attend`` over a per-sequence cache holding the same tokens.
 """
@@ -16,9 +17,9 @@ import numpy as np
 import pytest
 
 import tq_jax
-from kvcache_helpers import D, H, dense_attention, dumps_kv
+from kvcache_helpers import D, H, decoded_kv
 from tq_jax import kvcache
-from tq_jax.kvcache import ragged
+from tq_jax.kvcache import ragged, reference
 
 
 class Engine:
@@ -78,22 +79,26 @@ class Engine:
         return q, (kv_lens, table, cu, np.array([len(new)], np.int32))
 
 
-def reference(eng, new, q, cu, window, sinks, sliding_window=None, scale=None):
-    """Per row of ``q``: dense float64 attention over decoded K/V with the exact positions as given."""
+def pages(eng):
+    """The engine's pages as float64 ``[2, num_pages, page_size, H, D]`` arrays: each live
+    sequence's K/V as written, and as their codes decode (``tq_jax.loads`` of ``dumps``)."""
     cfg = eng.pool.config
-    out = np.zeros(q.shape, np.float64)
-    for row, (seq, n) in enumerate(new.items()):
-        ks, vs = eng.k[seq], eng.v[seq]
-        t = len(ks)
-        if n == 0 or t == 0:
-            continue
-        dec = np.asarray(tq_jax.loads(dumps_kv(ks, vs, cfg), dtype=jnp.float32), np.float64)
-        p = np.arange(t)
-        exact = (p >= t - window) | (p < sinks)
-        k = np.where(exact[:, None, None], ks, dec[0, 0])
-        v = np.where(exact[:, None, None], vs, dec[1, 0])
-        out[cu[row] : cu[row + 1]] = dense_attention(q[cu[row] : cu[row + 1]], k, v, sliding_window, scale)
-    return out
+    written = np.zeros((2, cfg.num_pages, cfg.page_size, H, D))
+    decoded = np.zeros_like(written)
+    for seq, ks in eng.k.items():
+        if not len(ks):
+            continue  # nothing written yet
+        p = np.arange(len(ks))
+        page, offset = np.asarray(eng.pages[seq])[p // eng.ps], p % eng.ps
+        written[:, page, offset] = np.stack([ks, eng.v[seq]])
+        decoded[:, page, offset] = decoded_kv(ks, eng.v[seq], cfg)
+    return written, decoded
+
+
+def expected(eng, q, args, window, sinks, sliding_window=None, sm_scale=None):
+    """``tq_jax.kvcache.reference.ragged_attend`` over the engine's pages for the RPA arguments ``args``."""
+    return reference.ragged_attend(q, *pages(eng), *args, window=window, sinks=sinks, sm_scale=sm_scale,
+                                   sliding_window=sliding_window)
 
 
 @contextlib.contextmanager
@@ -123,14 +128,14 @@ def run_steps(steps, *, impl="xla", window=8, sinks=2, page_size=8, group=2, num
                             max_seqs=max_seqs, **pool_kw)
     eng = Engine(pool, max_seqs, pps, rng)
     for new in steps:
-        q, (kv_lens, table, cu, ns) = eng.step(new, H * group, bucket)
+        q, args = eng.step(new, H * group, bucket)
         with tpu_semantics(impl):
-            out = np.asarray(ragged.attend(eng.pool, q, kv_lens, table, cu, ns, impl=impl,
-                                           sliding_window=sliding_window, sm_scale=sm_scale))
-        want = reference(eng, new, q, cu, window, sinks, sliding_window, sm_scale)
+            out = np.asarray(ragged.attend(eng.pool, q, *args, impl=impl, sliding_window=sliding_window,
+                                           sm_scale=sm_scale))
+        want = expected(eng, q, args, window, sinks, sliding_window, sm_scale)
         scale = max(np.abs(want).max(), 1.0)
         np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5 * scale)
-        assert not out[cu[len(new)] :].any()  # padding rows: zeros
+        assert not out[args[2][len(new)] :].any()  # padding rows: zeros
     return eng
 
 
@@ -178,12 +183,9 @@ def test_agrees_with_jax_reference_of_the_rpa_argument_form():
     eng.step({0: 13, 1: 6}, 2 * H, bucket=24)
     new = {1: 3, 2: 9, 0: 1}
     q, (kv_lens, table, cu, ns) = eng.step(new, 2 * H, bucket=24)
+    _, decoded = pages(eng)
     dense = np.zeros((24, 8, 2 * H, D), np.float32)  # [pages, page_size, K/V interleaved by head, D]
-    for seq in eng.k:
-        dec = np.asarray(tq_jax.loads(dumps_kv(eng.k[seq], eng.v[seq], pool.config), dtype=jnp.float32))
-        for p in range(len(eng.k[seq])):
-            page, off = eng.pages[seq][p // 8], p % 8
-            dense[page, off, 0::2], dense[page, off, 1::2] = dec[0, 0, p], dec[1, 0, p]
+    dense[:, :, 0::2], dense[:, :, 1::2] = decoded
     for sw, scale in ((4, 0.2),):
         want = ref_mod.ref_ragged_paged_attention(jnp.asarray(q), jnp.asarray(dense), kv_lens, table, cu, ns,
                                                   sm_scale=scale, sliding_window=sw)
@@ -277,11 +279,11 @@ def test_undersized_window_pool_reads_codes_where_its_copies_were_taken_back():
     q, (kv_lens, table, cu, ns) = eng.step({0: 1}, H, bucket=16)  # seq 0 writes position 6 (its page 1): lent to it
     out = np.asarray(ragged.attend(eng.pool, q, kv_lens, table, cu, ns))
     ks, vs = eng.k[0], eng.v[0]
-    dec = np.asarray(tq_jax.loads(dumps_kv(ks, vs, pool.config), dtype=jnp.float32), np.float64)
+    dec = decoded_kv(ks, vs, pool.config)
     exact = np.arange(7) >= 6  # the page was lent at position 6: earlier offsets are not current
-    k = np.where(exact[:, None, None], ks, dec[0, 0])
-    v = np.where(exact[:, None, None], vs, dec[1, 0])
-    np.testing.assert_allclose(out[:1], dense_attention(q[:1], k, v), rtol=2e-5, atol=2e-5)
+    k = np.where(exact[:, None, None], ks, dec[0])
+    v = np.where(exact[:, None, None], vs, dec[1])
+    np.testing.assert_allclose(out[:1], reference.dense_attention(q[:1], k, v), rtol=2e-5, atol=2e-5)
 
 
 def test_reused_pages_never_read_stale_exact_copies():
@@ -293,15 +295,15 @@ def test_reused_pages_never_read_stale_exact_copies():
     eng.step({0: 10}, H, bucket=16)
     eng.free_seq(0)
     # the new sequence's first page was the old one's first page (sink rows overwritten by sinks)
-    q, (kv_lens, table, cu, ns) = eng.step({1: 2}, H, bucket=16)
-    np.testing.assert_allclose(np.asarray(ragged.attend(eng.pool, q, kv_lens, table, cu, ns)),
-                               reference(eng, {1: 2}, q, cu, 6, 3), rtol=2e-5, atol=2e-5)
+    q, args = eng.step({1: 2}, H, bucket=16)
+    np.testing.assert_allclose(np.asarray(ragged.attend(eng.pool, q, *args)), expected(eng, q, args, 6, 3),
+                               rtol=2e-5, atol=2e-5)
     # without positions: no sink is kept, and the reused rows are invalidated
     eng.positions = False
     eng.free_seq(1)
-    q, (kv_lens, table, cu, ns) = eng.step({2: 5}, H, bucket=16)
-    out = np.asarray(ragged.attend(eng.pool, q, kv_lens, table, cu, ns))
-    np.testing.assert_allclose(out, reference(eng, {2: 5}, q, cu, 6, 0), rtol=2e-5, atol=2e-5)
+    q, args = eng.step({2: 5}, H, bucket=16)
+    out = np.asarray(ragged.attend(eng.pool, q, *args))
+    np.testing.assert_allclose(out, expected(eng, q, args, 6, 0), rtol=2e-5, atol=2e-5)
     assert not np.asarray(eng.pool.sink_valid).any()
 
 

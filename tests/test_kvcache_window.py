@@ -1,9 +1,10 @@
 """tq_jax.kvcache's exact window and sinks: attention reads the last ``window`` tokens
 and the first ``sinks`` exactly and every other token from its codes.
 
-The reference is independent of the cache: dense float64 attention over K/V built from
-the tokens as given (exact positions) and ``tq_jax.loads`` of ``tq_jax.dumps`` of the same
-tokens (the rest), and ``tq_jax.dumps`` for the bytes.
+The reference is independent of the cache: ``tq_jax.kvcache.reference.attend``, dense
+float64 attention over K/V built from the tokens as given (exact positions) and
+``tq_jax.loads`` of ``tq_jax.dumps`` of the same tokens (the rest), and ``tq_jax.dumps``
+for the bytes.
 """
 
 import jax
@@ -13,21 +14,9 @@ import pytest
 
 import tq_jax
 from conftest import sweep
-from kvcache_helpers import D, H, dense_attention, dumps_kv, fill, with_impls
+from kvcache_helpers import D, H, attend_reference, dumps_kv, fill, with_impls
 from tq_jax import kvcache
-
-
-def reference(ks, vs, cfg, q, exact_from=0):
-    """Dense attention of q [Q, Hq, D] (the sequence's last Q tokens) over K/V whose
-    positions in the window (the last ``window``) or below ``sinks`` are exact and the
-    rest decoded from ``dumps``' codes; positions below ``exact_from`` are decoded."""
-    t = len(ks)
-    dec = np.asarray(tq_jax.loads(dumps_kv(ks, vs, cfg)), np.float64)  # [2, 1, T, H, D]
-    pos = np.arange(t)
-    exact = ((pos >= t - cfg.window) | (pos < cfg.sinks)) & (pos >= exact_from)
-    k = np.where(exact[:, None, None], ks, dec[0, 0])
-    v = np.where(exact[:, None, None], vs, dec[1, 0])
-    return dense_attention(q, k, v)
+from tq_jax.kvcache.reference import dense_attention
 
 
 # (rotation, key_bits, value_bits, q_heads // kv_heads, page_size, window, sinks, q_len)
@@ -55,7 +44,7 @@ def test_attend_reads_window_and_sinks_exactly_and_the_rest_from_codes(
     q = rng.standard_normal((3, q_len, H * group, D)).astype(np.float32)
     out = np.asarray(kvcache.attend(cache, q, impl=impl))
     for b in range(3):
-        want = reference(ks[b], vs[b], cache.config, q[b])
+        want = attend_reference(ks[b], vs[b], cache.config, q[b])
         np.testing.assert_allclose(out[b], want, rtol=2e-5, atol=2e-5)
 
 
@@ -109,7 +98,7 @@ def test_decode_loop_compiles_once_over_300_steps_across_ring_wraps(page_size, c
     assert compiles.count == before
     assert np.asarray(cache.lengths).tolist() == [300, 300]
     ks = kv[:, 0, 0]  # sequence 0's tokens, keys == values
-    np.testing.assert_allclose(np.asarray(out)[0], reference(ks, ks, cache.config, q[0]), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(out)[0], attend_reference(ks, ks, cache.config, q[0]), rtol=2e-5, atol=2e-5)
 
 
 def test_load_brings_codes_only_then_appends_are_exact():
@@ -122,10 +111,11 @@ def test_load_brings_codes_only_then_appends_are_exact():
     cache = kvcache.load(cache, dumps_kv(k[:20], v[:20], cache.config), seq=0)
     q = rng.standard_normal((1, 1, H, D)).astype(np.float32)
     out = np.asarray(kvcache.attend(cache, q))[0]
-    np.testing.assert_allclose(out, reference(k[:20], v[:20], cache.config, q[0], exact_from=20), rtol=2e-5, atol=2e-5)
+    want = attend_reference(k[:20], v[:20], cache.config, q[0], exact_from=20)
+    np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
     cache = kvcache.append(cache, k[None, 20:], v[None, 20:])
     out = np.asarray(kvcache.attend(cache, q))[0]
-    np.testing.assert_allclose(out, reference(k, v, cache.config, q[0], exact_from=20), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(out, attend_reference(k, v, cache.config, q[0], exact_from=20), rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("preset", sweep(["turbo-3.5", "turbo-2.5"]))

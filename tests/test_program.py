@@ -23,7 +23,7 @@ from tq_jax import resident as resident_mod
 from tq_jax import wire
 
 from conftest import sweep
-from test_device_path import _input, _options  # one helper for the device-path inputs
+from device_path_helpers import assert_decoded_like, options_from, random_input
 
 CPU = jax.devices("cpu")[0]
 
@@ -52,29 +52,6 @@ MATRIX = sweep(
 )
 
 
-def assert_decoded_like(got, want):
-    """The program's decoded values against the host path's: equal, except that XLA may
-    order a float32 sum differently inside the program (tq_jax.program's docstring):
-    then elements differ by float32 rounding of their row's norm plus one unit in the
-    last place of the output dtype. In a 16-bit output that shows only where a rounding
-    boundary is crossed: at most 1 element in 1,000. A float32 output shows every such
-    difference: none under jax 0.10.2, about 1 in 8 under jax 0.9.2 for 3-bit Hadamard
-    rows at head_dim 128, each within one float32 rounding."""
-    dtype = np.asarray(got).dtype
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    assert got.shape == want.shape
-    diff = got != want
-    if not diff.any():
-        return
-    if dtype != np.float32:
-        assert diff.mean() <= 1e-3, f"{int(diff.sum())} of {diff.size} values differ"
-    ulp = {np.dtype(jnp.bfloat16): 2.0**-7, np.dtype(np.float16): 2.0**-10}.get(dtype, 2.0**-23)
-    scale = np.linalg.norm(want.reshape(-1, want.shape[-1]), axis=-1, keepdims=True)
-    err = np.abs(got - want).reshape(scale.shape[0], -1)
-    bound = 2.0**-20 * scale + ulp * np.abs(want).reshape(scale.shape[0], -1) + 1e-30
-    assert (err <= bound).all(), float((err / bound).max())
-
-
 @pytest.fixture
 def on_device(monkeypatch):
     """The device path with the compiled program on CPU devices; records the programs built."""
@@ -96,8 +73,8 @@ def on_device(monkeypatch):
 
 @pytest.mark.parametrize("shape,dtype,kw,block", MATRIX)
 def test_program_writes_the_host_paths_bytes(shape, dtype, kw, block, monkeypatch):
-    x = _input(shape, dtype)
-    opts = _options(kw)
+    x = random_input(shape, dtype)
+    opts = options_from(kw)
     want = tq_jax.dumps(x, options=opts, block_vectors=block)  # the host block driver
     want_values = np.asarray(tq_jax.loads(want, block_vectors=block))
     want_f32 = np.asarray(tq_jax.loads(want, dtype=jnp.float32, block_vectors=block))
@@ -124,7 +101,7 @@ def test_program_writes_the_host_paths_bytes(shape, dtype, kw, block, monkeypatc
 def test_only_the_program_runs_on_the_device(shape, dtype, kw, block, on_device, monkeypatch):
     monkeypatch.setattr(blocks_mod, "encode_plan", lambda *a: pytest.fail("host block driver used"))
     monkeypatch.setattr(blocks_mod, "decode_plan", lambda *a: pytest.fail("host block driver used"))
-    b = tq_jax.dumps(_input(shape, dtype), options=_options(kw), block_vectors=block)
+    b = tq_jax.dumps(random_input(shape, dtype), options=options_from(kw), block_vectors=block)
     tq_jax.loads(b, block_vectors=block, device=CPU)
     assert on_device == {"encoder": 1, "decoder": 1}
 
@@ -133,7 +110,7 @@ def test_a_change_of_options_reaches_both_executors_through_the_plan(monkeypatch
     """Once the plan is built, neither executor reads the Options: poisoning them
     changes nothing, and what the options said (Hadamard, K4V3, checksum, raw layers)
     is in both executors' bytes."""
-    x = _input((2, 4, 19, 2, 64), "bfloat16", 3)
+    x = random_input((2, 4, 19, 2, 64), "bfloat16", 3)
     plain = plan_mod.for_tensor(x.shape, "bfloat16", tq_jax.Options.make(4))
     changed = plan_mod.for_tensor(x.shape, "bfloat16", tq_jax.Options.make(
         key_bits=4, value_bits=3, rotation="hadamard", checksum=True, skip_last_layers=1))
@@ -158,9 +135,9 @@ def test_a_change_of_options_reaches_both_executors_through_the_plan(monkeypatch
 
 
 def test_plan_offsets_are_where_the_parser_finds_the_sections():
-    opts = _options(dict(key_bits=4, value_bits=2, skip_first_layers=1, skip_last_layers=1, norm_bits=5,
+    opts = options_from(dict(key_bits=4, value_bits=2, skip_first_layers=1, skip_last_layers=1, norm_bits=5,
                          checksum=True, rotation="hadamard"))
-    x = _input((2, 5, 9, 2, 64), "float16", 4)
+    x = random_input((2, 5, 9, 2, 64), "float16", 4)
     b = tq_jax.dumps(x, options=opts)
     p = wire.parse(b)
     plan = plan_mod.for_tensor(x.shape, "float16", opts)
@@ -227,8 +204,8 @@ def test_peak_temporary_memory_is_one_block_not_the_tensor():
 
 
 def test_programs_compile_once_per_plan_and_stay_cached(compiles, on_device):
-    x = jnp.asarray(_input((2, 2, 40, 2, 64), "bfloat16", 5))
-    opts = _options(dict(preset="turbo-3.5"))
+    x = jnp.asarray(random_input((2, 2, 40, 2, 64), "bfloat16", 5))
+    opts = options_from(dict(preset="turbo-3.5"))
     b = tq_jax.dumps(x, options=opts, block_vectors=32)
     tq_jax.loads(b, device=CPU, block_vectors=32)
     n = compiles.count
@@ -242,7 +219,7 @@ def test_programs_compile_once_per_plan_and_stay_cached(compiles, on_device):
 
 def test_too_large_for_the_program_takes_the_block_executor(monkeypatch):
     """Blobs past the program's int32 offsets (MAX_BLOB_BYTES) run block by block, same bytes."""
-    x = _input((2, 3, 20, 64), "bfloat16", 6)
+    x = random_input((2, 3, 20, 64), "bfloat16", 6)
     want = tq_jax.dumps(x, bits=4, block_vectors=16)
     monkeypatch.setattr(resident_mod, "ON_CPU", True)
     monkeypatch.setattr(program_mod, "MAX_BLOB_BYTES", len(want) - 1)

@@ -25,8 +25,7 @@ import numpy as np
 import pytest
 
 import tq_jax
-from kvcache_helpers import D, H, fill
-from test_kvcache_window import reference
+from kvcache_helpers import D, H, attend_reference, fill
 from tq_jax import kvcache
 from tq_jax import options as tq_options
 from tq_jax import plan as tq_plan
@@ -337,7 +336,7 @@ def test_tpu_interpret_mode_matches_dense_attention_without_races(rotation, kb, 
     for b in range(3):
         ks = np.concatenate([k[b, : first[b]], k[b, 16 : 16 + second[b]]])
         vs = np.concatenate([v[b, : first[b]], v[b, 16 : 16 + second[b]]])
-        np.testing.assert_allclose(out[b], reference(ks, vs, cache.config, q[b]), rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(out[b], attend_reference(ks, vs, cache.config, q[b]), rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.slow

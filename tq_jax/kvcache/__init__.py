@@ -51,7 +51,8 @@ the platform lowered for) → :mod:`~tq_jax.kvcache.attention`
 (:func:`attend`); :mod:`~tq_jax.kvcache.blobs` (:func:`export`, :func:`load`). The
 engine-facing form, for serving engines that own the page table and run ragged paged
 attention: :mod:`~tq_jax.kvcache.pool` (``init_pool``, ``write``) and
-:mod:`~tq_jax.kvcache.ragged` (``attend``, and the pool's names again).
+:mod:`~tq_jax.kvcache.ragged` (``attend``, and the pool's names again). What both forms
+compute, in float64 numpy: :mod:`~tq_jax.kvcache.reference`.
 """
 
 from tq_jax.kvcache.attention import attend
