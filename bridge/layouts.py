@@ -44,8 +44,8 @@ Two stored forms (:class:`Form`):
   ``[2, L, T // block, block, H, D]`` (its rank tells the two apart). Version-2 blobs take
   this form whenever the layout has one, and ``vllm-cpu`` blobs always do: its chunk
   order puts one *dimension* of 64 consecutive tokens' keys in a row, and codes of such
-  rows cost SmolLM2-135M 9x the next-token KL of per-token keys at 4 bits (measured in
-  docs/vllm.md).
+  rows cost SmolLM2-135M many times the next-token KL of per-token keys at the same bits
+  (docs/vllm.md has the measurement).
 
 Both are one set of values in two orders (a transposed copy each way); the reader
 restores the chunk's exact order from either. A blob's shape says which form it is, and

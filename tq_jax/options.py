@@ -323,11 +323,11 @@ PRESETS = {
     "turbo-2.5": dict(key_bits=3, value_bits=2, rotation="hadamard", norm_correction=True,
                       norm_bits=6, checksum=True),
     # 4/4's bytes with a value bit moved to the keys. Chosen on SmolLM2-135M in the
-    # generation loop (docs/serving-smollm2.md): +0.33 % perplexity / KL 0.0022 against
-    # 4/4's +0.96 % / 0.0050 (K6V2: +1.20 % / 0.0073); its passkey means over rotation
-    # seeds stay within 5 points of bf16 up to 1024 tokens, not at 2048. All-in 4.095
-    # bits per element at head_dim 64 and 4.047 at 128 for 256-token chunks (README's
-    # table); in the cache (window 128, 4 sinks) 0.274x bf16 at 8k, head_dim 128.
+    # generation loop (docs/serving-smollm2.md): closer to a bf16 cache's perplexity and KL
+    # than 4/4 or K6V2 at the same bytes; its passkey means over rotation seeds stay near
+    # bf16's up to 1024 tokens, not at 2048. All-in 4.095 bits per element at head_dim 64
+    # and 4.047 at 128 for 256-token chunks (README's table); in the cache it takes 4/4's
+    # bytes (tests/test_kvcache_window.py).
     "turbo-4": dict(key_bits=5, value_bits=3, rotation="hadamard", norm_correction=True,
                     norm_bits=6, checksum=True),
 }

@@ -79,7 +79,7 @@ class Progress:
     """Bytes-based progress with MB/s on stderr, drawn for a terminal, logged otherwise.
 
     On a terminal (``stream.isatty()``): a tqdm bar when tqdm is installed, else one
-    plain line redrawn in place (``\\r``) at most every 0.5 s and once at 100 %. Not on a
+    plain line redrawn in place (``\\r``) at most twice a second and once at 100 %. Not on a
     terminal (a log file, a pipe, CI): no bar and no ``\\r``; one line when
     :meth:`close` is called (one line per file) and, for a file that takes longer, one
     line every :data:`LOG_EVERY` seconds before it, so a log stays readable line by line.

@@ -33,9 +33,9 @@ bf16, scaled by the factor in [1, 2) that bf16 represents best: a table's values
 rounded once, so their rounding repeats across tokens instead of averaging), the rotated
 query and the probabilities (times the value norms) are rounded to bf16, and each dot is
 one bf16 pass accumulating in float32: two passes a block where the exact mode runs six.
-Its error against float64 is 0.67-1.04x that of ``jax.nn.dot_product_attention`` over
-the same decoded K/V in bf16 on the cases measured (tests/test_kvcache_gpu_bf16.py holds
-it to 1.5x; docs/accelerator.md has every case). Its default block is 128 tokens, not 64.
+Its error against float64 is held to a fixed multiple of ``jax.nn.dot_product_attention``'s
+over the same decoded K/V in bf16 (``BOUND`` in tests/test_kvcache_gpu_bf16.py;
+docs/accelerator.md has every case). Its default block is 128 tokens, not 64.
 
 What the kernel computes is only the *coded* part of attention: token ``t`` of sequence
 ``b`` counts iff ``t < hi[b]`` and (``t < sink_lo[b]`` or ``t >= sinks``) and ``t <=
@@ -86,20 +86,20 @@ class Tuning:
             looked up straight into bf16 keys and values (the 2**bits-entry table in bf16),
             the rotated query and the probabilities are rounded to bf16, and each dot is
             one bf16 tensor-core pass accumulating in float32 (``dot`` does not apply).
-            Its error against float64 attention is held to at most 1.5x that of
-            ``jax.nn.dot_product_attention`` over the same decoded K/V in bf16
-            (tests/test_kvcache_gpu_bf16.py).
+            Its error against float64 attention is held to a fixed multiple of that of
+            ``jax.nn.dot_product_attention`` over the same decoded K/V in bf16 (``BOUND``
+            in tests/test_kvcache_gpu_bf16.py).
         block: tokens per loop step (a power of two >= 16; None: ``DEFAULT_BLOCK[mode]``,
             64 exact, 128 bf16).
         splits: ranges per sequence, one program each (None: about ``TARGET_PROGRAMS``
             programs in all, at most one range per block).
         lookup: ``"gather"`` (loads from the 2**bits-entry table, L1-resident; the
-            default: on an H200 as fast as the select tree at 4 bits and 9.6x faster at 3,
+            default: never slower than the select tree in the GPU measurements of
             benchmarks/results/accelerator_nvidia_h200.md), ``"select"`` (a select tree
             on compile-time constants) or, in the bf16 mode only, ``"pair"``: a 4-bit side
             loads both lanes of a code byte at once, one 32-bit entry of a 256-entry table
             of bf16 pairs (no shift or mask per index, half the loads; other widths
-            gather). Not yet timed on a GPU: step 3's sweep measures it.
+            gather; benchmarks/accelerator.py's tuning sweep times it against ``"gather"``).
         dot: the compiled dots' algorithm: ``"bf16x3"`` and ``"tf32x3"`` run on tensor
             cores at about float32 accuracy, ``"ieee"`` is float32 FMAs (the interpreter
             always computes in float32).
@@ -408,9 +408,9 @@ def partial(cache: KVCache, query: _scoring.Query, *, interpret: bool, tuning: T
         precision = None  # one bf16 pass, float32 accumulation (the interpreter computes it exactly)
         # the rotated query as two bf16 terms (hi + lo, ~16 significant bits): dense bf16 attention
         # reads the model's query as given, while q' = R q / sqrt(d) is float32; one bf16 term
-        # alone would add its rounding to every score (measured: up to 1.55x dot_product_attention's error)
-        # the tables scaled onto the bf16 grid (measured at head_dim 128, 4/4: 1.36x -> 1.04x
-        # dot_product_attention's error, docs/accelerator.md); the query carries 1 / s_k, the
+        # alone would add its rounding to every score, an error dense bf16 attention does not make
+        # the tables scaled onto the bf16 grid (a table's rounding repeats on every token, so the
+        # scale that rounds it least matters; docs/accelerator.md); the query carries 1 / s_k, the
         # accumulator is divided by s_v after the call
         k_scale, v_scale = _bf16_scale(tuple(ktab.tolist())), _bf16_scale(tuple(vtab.tolist()))
         ktab, vtab = (ktab * np.float32(k_scale)).astype(np.float32), (vtab * np.float32(v_scale)).astype(np.float32)

@@ -58,9 +58,9 @@ _HI = lax.Precision.HIGHEST
 
 LANES = 128  # a vector register's lanes: the last dim of a Mosaic tile
 SUBLANES = {4: 8, 2: 16, 1: 32}  # second-to-last dim of a tile by itemsize: (8, 128) 32-bit, (16, 128) 16-bit, (32, 128) 8-bit
-# Scoped VMEM a kernel may use by default on the smallest current chips (v5e, v5p: 16 MiB;
-# v6e: 32 MiB). The unit is halved until the double-buffered blocks fit in half of it,
-# leaving the rest to the step's temporaries.
+# Scoped VMEM a kernel may use by default on the current TPU generations that allow the
+# least (16 MiB; later ones allow more). The unit is halved until the double-buffered
+# blocks fit in half of it, leaving the rest to the step's temporaries.
 VMEM_BUDGET = 16 << 20
 MAX_UNIT = 256  # tokens per grid step at most (a page, or a block of a larger one)
 

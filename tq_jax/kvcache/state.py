@@ -31,23 +31,23 @@ __all__ = ["CacheConfig", "Codecs", "KVCache", "init", "nbytes", "BLOCK_BYTES", 
 # attend's default block: the power of two of tokens whose dequantized keys (batch x kv_heads
 # x block x head_dim float32) fill about BLOCK_BYTES (a CPU core's L2), at most BLOCK_TOKENS
 # and at least MIN_BLOCK_TOKENS. Blocks that spill the L2 cost more than the extra loop steps
-# save (benchmarks/results/kvcache.md: batch 4, 8 heads, head_dim 128 -> 64 tokens).
+# save (benchmarks/results/kvcache.md has the block sweep behind BLOCK_BYTES).
 BLOCK_BYTES = 1 << 20
 BLOCK_TOKENS = 1024
 MIN_BLOCK_TOKENS = 16
 
-# The exact window init gives a cache by default: on SmolLM2-135M with the cache in the
-# generation loop, 128 exact recent tokens bring 4/4-bit codes within 1 % of a bf16
-# cache's perplexity (docs/serving-smollm2.md). KIVI, SKVQ and transformers'
-# QuantizedCache keep 128 recent tokens exact too.
+# The exact window init gives a cache by default: local attention leans hardest on the
+# most recent tokens, and reading them exactly brings a model generating on 4/4-bit codes
+# close to a bf16 cache's perplexity (docs/serving-smollm2.md measures it in the loop).
+# KIVI, SKVQ and transformers' QuantizedCache keep 128 recent tokens exact too.
 DEFAULT_WINDOW = 128
-# Codes of 2 bits (turbo-2.5's values) need twice that: turbo-2.5 settings lose +3.5 % in
-# perplexity (KL 0.020) with 128 exact tokens and +1.2 % (KL 0.0071) with 256, the same
-# in-loop protocol (docs/serving-smollm2.md).
+# Codes of 2 bits (turbo-2.5's values) err more per token, so they need twice the window
+# to come as close to bf16 as 3- and 4-bit codes do with 128 (the same in-loop protocol,
+# docs/serving-smollm2.md).
 LOW_BITS_WINDOW = 256
-# ... and its first 4 tokens (attention sinks: the tokens every head leans on most). With
-# the window of 128 they cut the in-loop KL of 4/4 codes from 0.0069 to 0.0047 nats and of
-# turbo-2.5 from 0.033 to 0.020 (docs/serving-smollm2.md).
+# ... and its first 4 tokens (attention sinks: the tokens every head leans on most), read
+# exactly beside the window; they lower the in-loop KL of every setting measured
+# (docs/serving-smollm2.md).
 DEFAULT_SINKS = 4
 WINDOW_WHY = ("the most recent tokens of each sequence that attend reads exactly; 0 reads every token from "
               "its codes, and a window holds at most max_len tokens.")
@@ -399,8 +399,8 @@ def init(
 @functools.partial(jax.jit, static_argnums=0)
 def _empty_leaves(config: CacheConfig) -> dict:
     """The leaves of an empty cache of ``config``, made by one compiled program per
-    configuration: made one by one, each zero array of a new shape compiled a program of
-    its own (about a dozen, 0.1-0.25 s on a CPU for an init of a new shape)."""
+    configuration rather than one per zero array of a new shape (about a dozen for an
+    init; benchmarks/results/kvcache_init.md)."""
     batch, kv_heads, head_dim, dtype = config.batch, config.kv_heads, config.head_dim, config.dtype
     pool = (config.num_pages, config.page_tokens, kv_heads)
     if config.paged:

@@ -21,7 +21,7 @@ The rule, for every Pallas kernel of :mod:`tq_jax.kvcache` (and any new one)::
 
 :func:`staged` is the same rule for a choice among several kernels (``attend``'s ``impl``:
 the XLA loop on one platform, a Pallas kernel on another), built from :func:`interpret`.
-Every form is traced (each a few tens of milliseconds per new shape); only the one
+Every form is traced (once per new shape, far cheaper than a compile); only the one
 lowered is compiled. A kernel that needs another interpreter (``pltpu.InterpretParams``
 for TPU semantics) is called with it directly, as the tests do; this module only
 chooses between "interpreted on a CPU" and "compiled".
