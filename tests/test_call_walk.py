@@ -1,4 +1,6 @@
-"""``loads`` is a straight path: parse once, plan from the parse, one executor downward.
+"""``loads`` and ``dumps`` are straight paths: ``loads`` parses once, plans from the parse and
+runs one executor downward; ``dumps`` resolves its options, plans with one call to wire for the
+header's layout, runs one executor downward and writes the sections to that layout.
 
 The walk (:mod:`tools.call_walk`) is the sequence of tq_jax modules whose functions run,
 a return counted only when the caller calls on; a climb is a step into a higher layer.
@@ -24,6 +26,17 @@ def test_loads_of_a_v1_blob_walks_straight_down():
     out = np.empty_like(x)
     tq_jax.load_into(blob, out)
     assert summary(walk(tq_jax.load_into, blob, out))["walk"] == s["walk"]
+
+
+def test_dumps_of_a_v1_blob_walks_straight_down():
+    x = np.random.default_rng(0).standard_normal((2, 2, 16, 2, 64)).astype(jnp.bfloat16)
+    tq_jax.dumps(x, bits=4)  # warm: compiling is not the walk
+    seq = walk(tq_jax.dumps, x, bits=4)
+    s = summary(seq)
+    # options (the settings front door) and the writer after the encoder are two stops loads has no need of
+    assert s["stops"] <= 12 and s["modules"] <= 6 and s["climbs"] <= 4, s
+    assert [m for m in seq if m != "tq_jax.blob"] == [
+        "tq_jax.options", "tq_jax.plan", "tq_jax.wire", "tq_jax.blocks", "tq_jax.codec", "tq_jax.wire"], s["walk"]
 
 
 def test_the_walk_counts_returns_that_call_on_and_climbs():

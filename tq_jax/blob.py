@@ -68,13 +68,12 @@ def _host_view(x) -> np.ndarray:
 
 
 def _check_tensor(x: np.ndarray) -> str:
-    try:
-        dtype = _wire.dtype_name(x.dtype)
-    except ValueError:
+    dtype = np.dtype(x.dtype).name
+    if dtype not in _wire.DTYPES:
         raise ValueError(
             f"can only encode bfloat16, float16 or float32 tensors, got {x.dtype}: cast it "
             f"first (TQ01 records one of those three as the tensor's original dtype)."
-        ) from None
+        )
     if x.ndim < 1 or x.shape[-1] < 2:
         raise ValueError(
             f"the last axis must be head_dim >= 2, got shape {x.shape}: reshape so each "
@@ -181,7 +180,7 @@ def _encode(x, options: _options.Options, block_vectors, device):
     if how == "blocks":
         encoded, raw = _resident.encode(arr, plan, block_vectors, dev)
     else:
-        encoded, raw = _blocks.encode_plan(arr, plan, block_vectors, _blocks.device_list(device))
+        encoded, raw = _blocks.encode(arr, plan, block_vectors, device)
     if plan.overflow != "keep":
         count, total, largest = _norm_overflow([n for _, n in encoded])
         if count and plan.overflow == "raise":
@@ -196,7 +195,7 @@ def _encode(x, options: _options.Options, block_vectors, device):
         else:
             norm_sections.append(norms.astype(np.float32 if plan.norm_dtype == "float32" else np.float16))
     sections = _wire.Sections([chunks for chunks, _ in encoded], norm_sections, tuple(raw))
-    return plan, _wire.pieces(plan.header, sections)  # the CRC32 trailer included when asked for
+    return plan, _wire.pieces(plan.layout, sections)  # checked when planned; the CRC32 trailer when asked for
 
 
 def _resolve(bits, options, kwargs: dict) -> _options.Options:

@@ -52,6 +52,7 @@ __all__ = [
     "segment_inputs",
     "rows",
     "encode_plan",
+    "encode",
     "decode_plan",
 ]
 
@@ -184,7 +185,7 @@ def encode_blocks(put, n_vec: int, cfg: _codec.CodecConfig, block: int, devices,
     def collect():
         start, nb, (stream, nrm) = pending.popleft()
         used = nb * dim * bits
-        chunk = fetch(stream).reshape(-1)[: _codec.stream_nbytes(cfg, nb)]  # a view
+        chunk = fetch(stream).reshape(-1)[: (used + 7) // 8]  # a view: the block's stream
         if used % 8:  # the last byte also holds padding rows' bits: TQ01 wants them zero
             chunk = chunk.copy()
             chunk[-1] &= (1 << (used % 8)) - 1
@@ -284,6 +285,11 @@ def encode_plan(host: np.ndarray, plan, block_vectors, devices):
                for s in plan.segments]
     raw = [memoryview(rows(host, plan, r.row_start, r.rows).reshape(-1).view(np.uint8)) for r in plan.raw]
     return encoded, raw
+
+
+def encode(host: np.ndarray, plan, block_vectors, device):
+    """The host executor of ``dumps``: :func:`encode_plan` on ``device``'s list."""
+    return encode_plan(host, plan, block_vectors, device_list(device))
 
 
 def _decode_vectors(stream, norms, out_flat, cfg, block_vectors, devices, qjl=None):

@@ -228,26 +228,20 @@ class Options:
             and not self.norm_bits
         )
 
-    def header(self, shape, dtype, *, norm_dtype: str | None = None) -> _wire.Header:
-        """The header for a tensor of ``shape``/``dtype``; ``norm_dtype`` resolves "auto".
+    def layout(self, shape, dtype, *, norm_dtype: str | None = None) -> _wire.Layout:
+        """The :class:`~tq_jax.wire.Layout` of a tensor of ``shape``/``dtype`` under these
+        options (its header, the header's bytes, the blob's length), in one call to
+        :func:`tq_jax.wire.layout`; ``norm_dtype`` resolves "auto".
 
         Raises:
             ValueError: the shape cannot carry these options (e.g. raw layers on a
-                tensor that is not ``[groups, layers, ..., head_dim]``).
+                tensor that is not ``[groups, layers, ..., head_dim]``), or the header
+                cannot be written (:func:`tq_jax.wire.layout`: dtype, dense rotation size).
         """
         shape = tuple(int(s) for s in shape)
-        dtype = _wire.dtype_name(dtype)
         nd = norm_dtype or ("float16" if self.norm_dtype == "auto" else self.norm_dtype)
         if self.norm_bits:
             nd = "float16"  # no float norms are written: the NORMS_F32 flag stays clear
-        dense = _wire.dense_dim(shape[-1], self.rotation) if shape else 0
-        if dense > _wire.MAX_DENSE_DIM:
-            raise ValueError(
-                f"head_dim {shape[-1]} with rotation={self.rotation!r} needs a dense {dense}x{dense} rotation, "
-                f"but TQ01 readers refuse more than MAX_DENSE_DIM={_wire.MAX_DENSE_DIM} (they build it from the "
-                f"header alone). Use rotation='hadamard' (its dense factor is the odd part of head_dim) or "
-                f"split the vectors into heads of at most {_wire.MAX_DENSE_DIM}."
-            )
         if self.kv_layout:
             if len(shape) < 3 or shape[0] not in (1, 2):
                 raise ValueError(
@@ -260,10 +254,10 @@ class Options:
                     f"exceeds the tensor's {shape[1]} layers (axis 1 of {shape})."
                 )
         if self.v1_expressible and nd == "float16":
-            return _wire.Header(self.key_bits, _wire.seed32(self.seed), shape, dtype)
-        return _wire.Header(
+            return _wire.layout(_wire.Header(self.key_bits, self.seed, shape, dtype))
+        return _wire.layout(_wire.Header(
             bits=self.key_bits,
-            seed=_wire.seed32(self.seed),
+            seed=self.seed,
             shape=shape,
             dtype=dtype,
             version=_wire.VERSION_2,
@@ -276,11 +270,15 @@ class Options:
             norm_correction=self.norm_correction,
             checksum=self.checksum,
             norm_bits=self.norm_bits,
-        )
+        ))
+
+    def header(self, shape, dtype, *, norm_dtype: str | None = None) -> _wire.Header:
+        """The header for a tensor of ``shape``/``dtype`` (:meth:`layout`'s)."""
+        return self.layout(shape, dtype, norm_dtype=norm_dtype).header
 
     def serialized_size(self, shape, dtype) -> int:
         """Exact blob length for ``shape``/``dtype`` (``norm_dtype="auto"``: the float16 case)."""
-        return _wire.blob_nbytes(self.header(shape, dtype))
+        return self.layout(shape, dtype).nbytes
 
     def codec_config(self, dim: int, group: int = 0):
         """The :class:`tq_jax.CodecConfig` of group ``group`` (0: keys, ``key_bits``;

@@ -129,6 +129,70 @@ class Plan:
     def version(self) -> int:
         return self.header.version
 
+    @classmethod
+    def from_layout(cls, layout: _wire.Layout, configs, overflow: str, widened: "Plan | None" = None) -> "Plan":
+        """The plan of a blob laid out as ``layout`` (:func:`tq_jax.wire.layout` for a writer,
+        :attr:`tq_jax.wire.Parsed.layout` for a reader), ``configs`` one
+        :class:`~tq_jax.codec.CodecConfig` per segment: the section offsets follow from the
+        header; wire's length is the check that both read the format alike."""
+        h, hb, nbytes = layout
+        dim = h.shape[-1] if h.shape else 0
+        off = len(hb)
+        per_layer = math.prod(h.shape[2:-1]) if h.kv_layout else 0
+        layers = h.shape[1] if h.kv_layout else 0
+        segments = []
+        for (g, bits, lo, hi, n_vec), cfg in zip(h.segments(), configs):
+            row_start = 0 if g is None else (g * layers + lo) * per_layer
+            idx_n = (n_vec * dim * bits + 7) // 8
+            index_offset = off + _LEN
+            off = index_offset + idx_n
+            nrm_n = h.norms_nbytes(n_vec)
+            norms_offset = off + _LEN
+            off = norms_offset + nrm_n
+            groups = h.norm_groups(n_vec) if h.norm_bits else 0
+            layer_span = None if g is None else (lo, hi)
+            segments.append(Segment(g, layer_span, n_vec, row_start, cfg, index_offset, idx_n, norms_offset, nrm_n,
+                                    groups))
+        raw, raw_offset = [], None
+        if h.version == _wire.VERSION_2:
+            raw_offset = off + _LEN
+            r_off = raw_offset
+            itemsize = _wire.ITEMSIZE[h.dtype]
+            for g, lo, hi in h.raw_ranges():
+                rows = (hi - lo) * per_layer
+                raw_n = rows * dim * itemsize
+                raw.append(RawRange(g, (lo, hi), (g * layers + lo) * per_layer, rows, r_off, raw_n))
+                r_off += raw_n
+            off = r_off
+        if h.version == _wire.VERSION_1 and h.use_qjl:
+            _, _, sk, rn = _wire.section_sizes(h.shape, h.bits, True, h.qjl_sketch_size)
+            off += _LEN + sk + _LEN + rn
+        if h.version == _wire.VERSION_2 and h.checksum:
+            off += 4
+        if off != nbytes:  # the plan's offsets and wire's length are two readings of one format
+            raise AssertionError(f"plan: sections end at {off} but the layout's blob holds {nbytes} bytes for {h}")
+        return cls(
+            header=h,
+            header_bytes=hb,
+            shape=tuple(h.shape),
+            dtype=h.dtype,
+            segments=tuple(segments),
+            raw=tuple(raw),
+            raw_offset=raw_offset,
+            nbytes=nbytes,
+            checksum=bool(h.version == _wire.VERSION_2 and h.checksum),
+            norm_dtype=None if h.norm_bits else h.norm_dtype,
+            norm_bits=h.norm_bits,
+            overflow=overflow,
+            widened=widened,
+            qjl=bool(h.use_qjl),
+        )
+
+    @property
+    def layout(self) -> _wire.Layout:
+        """The blob's :class:`~tq_jax.wire.Layout`: what :func:`tq_jax.wire.pieces` writes it to."""
+        return _wire.Layout(self.header, self.header_bytes, self.nbytes)
+
     def section_lengths(self) -> list:
         """``(offset, value)`` of every section-length field, in wire order: what an
         executor writes besides the sections' data (a Python list of ints)."""
@@ -147,93 +211,36 @@ def _config(dim: int, bits: int, seed: int, rotation: str, norm_correction: bool
     return _codec.CodecConfig(dim, bits, seed, rotation, norm_correction)
 
 
-def _build(header: _wire.Header, configs, overflow: str, widened, parsed: _wire.Parsed | None = None) -> Plan:
-    """The plan of ``header``; from a parse (``parsed``) its header bytes and length are the
-    blob's own, read once by the parser and not written again."""
-    h = header
-    dim = h.shape[-1] if h.shape else 0
-    hb = parsed.header_bytes if parsed is not None else _wire.header_bytes(h)
-    off = len(hb)
-    per_layer = math.prod(h.shape[2:-1]) if h.kv_layout else 0
-    layers = h.shape[1] if h.kv_layout else 0
-    segments = []
-    for (g, bits, lo, hi, n_vec), cfg in zip(h.segments(), configs):
-        row_start = 0 if g is None else (g * layers + lo) * per_layer
-        idx_n = (n_vec * dim * bits + 7) // 8
-        index_offset = off + _LEN
-        off = index_offset + idx_n
-        nrm_n = h.norms_nbytes(n_vec)
-        norms_offset = off + _LEN
-        off = norms_offset + nrm_n
-        groups = h.norm_groups(n_vec) if h.norm_bits else 0
-        layer_span = None if g is None else (lo, hi)
-        segments.append(Segment(g, layer_span, n_vec, row_start, cfg, index_offset, idx_n, norms_offset, nrm_n, groups))
-    raw, raw_offset = [], None
-    if h.version == _wire.VERSION_2:
-        raw_offset = off + _LEN
-        r_off = raw_offset
-        itemsize = _wire.ITEMSIZE[h.dtype]
-        for g, lo, hi in h.raw_ranges():
-            rows = (hi - lo) * per_layer
-            nbytes = rows * dim * itemsize
-            raw.append(RawRange(g, (lo, hi), (g * layers + lo) * per_layer, rows, r_off, nbytes))
-            r_off += nbytes
-        off = r_off
-    if h.version == _wire.VERSION_1 and h.use_qjl:
-        _, _, sk, rn = _wire.section_sizes(h.shape, h.bits, True, h.qjl_sketch_size)
-        off += _LEN + sk + _LEN + rn
-    if h.version == _wire.VERSION_2 and h.checksum:
-        off += 4
-    nbytes = parsed.nbytes if parsed is not None else _wire.blob_nbytes(h)
-    if off != nbytes:  # the plan's layout and wire's size (or the parsed blob's) are two readings of one format
-        raise AssertionError(f"plan: sections end at {off} but wire.blob_nbytes says {nbytes} for {h}")
-    return Plan(
-        header=h,
-        header_bytes=hb,
-        shape=tuple(h.shape),
-        dtype=h.dtype,
-        segments=tuple(segments),
-        raw=tuple(raw),
-        raw_offset=raw_offset,
-        nbytes=nbytes,
-        checksum=bool(h.version == _wire.VERSION_2 and h.checksum),
-        norm_dtype=None if h.norm_bits else h.norm_dtype,
-        norm_bits=h.norm_bits,
-        overflow=overflow,
-        widened=widened,
-        qjl=bool(h.use_qjl),
-    )
-
-
 def for_tensor(shape, dtype, options) -> Plan:
     """The plan of encoding a tensor of ``shape``/``dtype`` under ``options``
-    (a :class:`~tq_jax.Options`): the one place the blob path reads the options.
+    (a :class:`~tq_jax.Options`): the one place the blob path reads the options, and
+    one call to wire for the header's layout (:meth:`~tq_jax.Options.layout`).
 
     Raises:
-        ValueError: the options cannot apply to this shape (``Options.header``'s errors).
+        ValueError: the options cannot apply to this shape (``Options.layout``'s errors).
     """
-    header = options.header(shape, dtype)  # validates the shape for the options
-    dim = header.shape[-1]
-    configs = [options.codec_config(dim, 1 if g == 1 else 0) for g, *_ in header.segments()]
+    layout = options.layout(shape, dtype)  # validates the shape for the options
+    dim = layout.header.shape[-1]
+    configs = [options.codec_config(dim, 1 if g == 1 else 0) for g, *_ in layout.header.segments()]
     if options.norm_bits:
-        return _build(header, configs, "keep", None)
+        return Plan.from_layout(layout, configs, "keep")
     if options.norm_dtype == "auto":
-        wide = _build(options.header(shape, dtype, norm_dtype="float32"), configs, "keep", None)
-        return _build(header, configs, "widen", wide)
-    return _build(header, configs, "raise" if header.norm_dtype == "float16" else "keep", None)
+        wide = Plan.from_layout(options.layout(shape, dtype, norm_dtype="float32"), configs, "keep")
+        return Plan.from_layout(layout, configs, "widen", wide)
+    return Plan.from_layout(layout, configs, "raise" if layout.header.norm_dtype == "float16" else "keep")
 
 
 def for_header(header: _wire.Header) -> Plan:
     """The plan of reading a blob whose parsed header is ``header``: every segment's
     codec from the header's own fields (bits, seed, rotation, norm correction)."""
-    return _build(header, _read_configs(header), "keep", None)
+    return Plan.from_layout(_wire.layout(header), _read_configs(header), "keep")
 
 
 def for_parsed(parsed: _wire.Parsed) -> Plan:
     """The plan of reading a parsed blob: :func:`for_header` of its header, with the
     header bytes and length the parser read (nothing is written again). Equal to the
     plan the writer resolved."""
-    return _build(parsed.header, _read_configs(parsed.header), "keep", None, parsed)
+    return Plan.from_layout(parsed.layout, _read_configs(parsed.header), "keep")
 
 
 def _read_configs(header: _wire.Header) -> list:

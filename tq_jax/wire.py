@@ -32,7 +32,10 @@ actually present, then "the sections cover the blob exactly" — and returns zer
 numpy views. It never allocates from a size the header claims. Every failure is a
 subclass of :class:`WireError` (itself a ``ValueError``), one per cause.
 
-:func:`pieces` is its mirror: from a :class:`Header` and the :class:`Sections` (the
+:func:`layout` gives a writer, in one call, what a header decides (its canonical form,
+its bytes read back by the parser's checks, the blob's length); :attr:`Parsed.layout` is
+the same as read. :func:`pieces` is the parser's mirror: from a :class:`Header` (or its
+:class:`Layout`) and the :class:`Sections` (the
 same per-segment lists :class:`Parsed` holds) it returns the blob as zero-copy byte
 pieces — header, every length-prefixed section, the CRC32 trailer — after reading the
 header back through the parser's own checks and checking every section's length
@@ -85,6 +88,8 @@ __all__ = [
     "seed32",
     "dtype_name",
     "dtype_itemsize",
+    "Layout",
+    "layout",
     "Sections",
     "pieces",
     "write_into",
@@ -344,6 +349,27 @@ class Parsed(NamedTuple):
     header_bytes: bytes = b""
     nbytes: int = 0
 
+    @property
+    def layout(self) -> Layout:
+        """The blob's :class:`Layout` as read: its header, header bytes and length."""
+        return Layout(self.header, self.header_bytes, self.nbytes)
+
+
+class Layout(NamedTuple):
+    """A header as a writer writes it, from one call (:func:`layout`), or as a parser
+    read it (:attr:`Parsed.layout`): everything about a blob that its header decides.
+
+    Attributes:
+        header: the :class:`Header` as :func:`parse` reads it back (seed as int32, the
+            dtype's name, a version-2 ``value_bits`` filled in).
+        header_bytes: its bytes, up to the first section length.
+        nbytes: the exact length of the blob it describes (Python int).
+    """
+
+    header: Header
+    header_bytes: bytes
+    nbytes: int
+
 
 def seed32(seed: int) -> int:
     """The signed int32 the header stores for ``seed``: its low 32 bits, two's complement.
@@ -461,6 +487,44 @@ def header_bytes(header: Header) -> bytes:
 # ----------------------------------------------------------------------------------
 
 
+def layout(header: Header) -> Layout:
+    """The :class:`Layout` a writer needs of ``header``, in one call: its canonical form,
+    its bytes and the blob's length.
+
+    Invariant: the bytes are read back by the parser's own header check and must give
+    the canonical header again, so a blob written to this layout parses.
+
+    Raises:
+        ValueError: an unknown dtype or rotation; a head_dim whose dense rotation factor
+            exceeds :data:`MAX_DENSE_DIM`; a header the parser refuses (a
+            :class:`WireError`) or one its version cannot carry (e.g. a version-1
+            header with version-2 fields).
+    """
+    canonical = _canonical(header)
+    if canonical.shape:
+        dim = canonical.shape[-1]
+        dense = dense_dim(dim, canonical.rotation)
+        if dense > MAX_DENSE_DIM:
+            raise ValueError(
+                f"head_dim {dim} with rotation={canonical.rotation!r} needs a dense {dense}x{dense} rotation, "
+                f"but TQ01 readers refuse more than MAX_DENSE_DIM={MAX_DENSE_DIM} (they build it from the "
+                f"header alone). Use rotation='hadamard' (its dense factor is the odd part of head_dim) or "
+                f"split the vectors into heads of at most {MAX_DENSE_DIM}."
+            )
+    hb = header_bytes(canonical)
+    try:
+        parsed = _read_header(_Reader(memoryview(hb)), verify=False)
+    except WireError as e:
+        raise ValueError(f"wire: refusing to write a header the parser refuses: {e}") from e
+    if parsed != canonical:
+        raise ValueError(
+            f"wire: the TQ01 version-{header.version} header cannot carry {header}; it "
+            f"would be read back as {parsed}. Use version 2 for per-group bits, raw layers, "
+            f"the structured rotation, float32 or coded norms, norm correction and checksums."
+        )
+    return Layout(parsed, hb, blob_nbytes(parsed))
+
+
 class Sections(NamedTuple):
     """The sections of a blob, to write with :func:`pieces` (the mirror of :class:`Parsed`).
 
@@ -570,7 +634,7 @@ def _canonical(header: Header) -> Header:
     return h
 
 
-def pieces(header: Header, sections: Sections) -> list:
+def pieces(header: Header | Layout, sections: Sections) -> list:
     """The blob of ``header`` and ``sections`` as byte pieces in wire order (zero-copy).
 
     The pieces are: the header bytes, then every section as its i64 length and its
@@ -578,9 +642,14 @@ def pieces(header: Header, sections: Sections) -> list:
     trailer when ``header.checksum``. ``b"".join(pieces(h, s))`` is the blob;
     :func:`write_into` copies the pieces into a preallocated buffer.
 
-    Invariants: the header is read back by the parser's own header check, and every
-    section's length is checked against the one :func:`parse` expects for that header,
-    so whatever this returns parses (writer and parser cannot drift).
+    ``header`` is a :class:`Header`, or its :class:`Layout` (from :func:`layout` or
+    :attr:`Parsed.layout`) when the caller already holds it: then the header is not
+    written and checked again.
+
+    Invariants: the header is read back by the parser's own header check
+    (:func:`layout`), and every section's length is checked against the one
+    :func:`parse` expects for that header, so whatever this returns parses (writer and
+    parser cannot drift).
 
     Raises:
         ValueError: the header is one the parser refuses (a :class:`WireError`) or one
@@ -589,18 +658,7 @@ def pieces(header: Header, sections: Sections) -> list:
             other ``ValueError``s: wrong norm dtype, section count or norm-code shape.
         TypeError: a section is not bytes-like, or norms are of the wrong kind.
     """
-    hb = header_bytes(header)
-    try:
-        parsed = _read_header(_Reader(memoryview(hb)), verify=False)
-    except WireError as e:
-        raise ValueError(f"wire.pieces: refusing to write a header the parser refuses: {e}") from e
-    if parsed != _canonical(header):
-        raise ValueError(
-            f"wire.pieces: the TQ01 version-{header.version} header cannot carry {header}; it "
-            f"would be read back as {parsed}. Use version 2 for per-group bits, raw layers, "
-            f"the structured rotation, float32 or coded norms, norm correction and checksums."
-        )
-    h = parsed
+    h, hb, _ = header if isinstance(header, Layout) else layout(header)
     segments = h.segments()
     if len(sections.indices) != len(segments) or len(sections.norms) != len(segments):
         raise ValueError(
