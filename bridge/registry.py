@@ -110,11 +110,12 @@ def warm(serializer: _serde.TQJaxSerializer, deserializer: _serde.TQJaxDeseriali
     remembers every new shape it plans. A failure is logged as a warning and leaves the
     programs to compile at first use."""
     layout = serializer.paired if serializer.kv_layout == "auto" else serializer.kv_layout
-    setting = f"{serializer.options!r} {layout} {serializer.block_size} {serializer.head_dim} {serializer.device.platform}"
+    setting = (f"{serializer.options!r} kv_layout={serializer.kv_layout} paired={serializer.paired} "
+               f"block_size={serializer.block_size} head_dim={serializer.head_dim} {serializer.device.platform}")
     shapes = _warmup.ChunkShapes(setting, directory)
     t0 = time.perf_counter()
     try:
-        chunks = _warmup.warm_up(serializer, deserializer, layout, shapes.shapes)
+        chunks = _warmup.warm_up(serializer, deserializer, layout, shapes.shapes, forget=shapes.discard)
     except Exception as e:  # noqa: BLE001 (never let a warm-up stop the serde)
         logger.warning("tq_jax serde warm-up failed (%s: %s); its programs compile at the first store or L2 hit instead",
                        type(e).__name__, e)

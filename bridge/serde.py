@@ -419,9 +419,10 @@ class TQJaxSerializer(Serializer):
 
     def plan(self, layout_desc: MemoryLayoutDesc) -> list[GroupPlan]:
         """:func:`plan_layout` under this serializer's options and ``kv_layout``."""
+        plans = plan_layout(layout_desc, self.head_dim, self.options, self.kv_layout, self.block_size, self.paired)
         if self.on_plan is not None:
             self.on_plan(layout_desc.shapes, layout_desc.dtypes)
-        return plan_layout(layout_desc, self.head_dim, self.options, self.kv_layout, self.block_size, self.paired)
+        return plans
 
     def serialize(self, src: MemoryObj, dst: MemoryObj, key: ObjectKey) -> int:
         """Writes the TQ01 blob(s) of ``src`` (and the key trailer) into ``dst.tensor``.

@@ -86,6 +86,14 @@ class ChunkShapes:
             return []
         return shapes[-MAX_SHAPES:]
 
+    def discard(self, entry: tuple[tuple[int, ...], str]) -> None:
+        """Forgets a shape this setting cannot plan any more (written for another layout)."""
+        with self.lock:
+            if entry in self.shapes:
+                self.shapes = [e for e in self.shapes if e != entry]
+                if not self.failed:
+                    self._write()
+
     def add(self, shapes, dtypes) -> None:
         """Remembers a single-group layout's shape (multi-group layouts are not warmed)."""
         if len(shapes) != 1:
@@ -146,7 +154,7 @@ def _obj(shape: tuple[int, ...], dtype: torch.dtype) -> TensorMemoryObj:
     return TensorMemoryObj(raw[off : off + n], meta, None)
 
 
-def warm_up(serializer, deserializer, layout: str, remembered=()) -> list[tuple[tuple[int, ...], str]]:
+def warm_up(serializer, deserializer, layout: str, remembered=(), *, forget=None) -> list[tuple[tuple[int, ...], str]]:
     """Encodes and decodes synthetic chunks through the serde's own path: one full block
     per segment of ``layout`` (bfloat16, vLLM's usual KV dtype), then each remembered
     ``(shape, dtype)``.
@@ -156,22 +164,34 @@ def warm_up(serializer, deserializer, layout: str, remembered=()) -> list[tuple[
             its deserializer (not the sealing wrappers: AES compiles nothing).
         layout: the layout the serde reads the engine's chunks as (``auto`` resolved).
         remembered: chunk shapes and dtype names seen before (:class:`ChunkShapes`).
+        forget: called with a remembered ``(shape, dtype)`` the serde refuses to plan
+            (a ``ValueError``: it no longer fits the layout); it is skipped.
 
     Returns:
         The ``(shape, dtype)`` chunks warmed, in order.
 
     Raises:
-        Whatever the serde raises (the registry logs it and carries on).
+        Whatever the serde raises for the full-block chunk (the registry logs it and
+        carries on).
     """
     block = _blocks.block_vectors_for(serializer.head_dim, None, [serializer.device])
-    chunks = [(chunk_shape(serializer.head_dim, layout, serializer.block_size, block), "bfloat16"), *remembered]
-    for shape, name in chunks:
+    warmed = []
+    for i, (shape, name) in enumerate([(chunk_shape(serializer.head_dim, layout, serializer.block_size, block),
+                                        "bfloat16"), *remembered]):
         dtype = _DTYPES[name]
+        try:
+            nbytes = serializer.estimate_serialized_size(MemoryLayoutDesc(shapes=[torch.Size(shape)], dtypes=[dtype]))
+        except ValueError:
+            if i == 0:
+                raise
+            if forget is not None:
+                forget((shape, name))
+            continue
         src = _obj(shape, dtype)
         src.tensor.copy_(torch.from_numpy(np.random.default_rng(0).standard_normal(shape, np.float32)).to(dtype))
-        nbytes = serializer.estimate_serialized_size(MemoryLayoutDesc(shapes=[torch.Size(shape)], dtypes=[dtype]))
         value = np.empty(nbytes, np.uint8)
         serializer.encode_into(src, value, _KEY)
         deserializer.decode_from(value, _obj(shape, dtype), _KEY)
-    return chunks
+        warmed.append((shape, name))
+    return warmed
 

@@ -588,3 +588,26 @@ def test_chunk_shapes_are_remembered_per_setting(tmp_path, caplog):
     c.add([torch.Size((2, 256, 128))], [torch.bfloat16])
     assert c.shapes == [((1, 256, 128), "bfloat16"), ((2, 256, 128), "bfloat16")]  # kept in memory
     assert caplog.text.count("cannot remember chunk shapes") == 1  # said once
+
+
+def test_remembered_shapes_the_layout_refuses_are_skipped_and_forgotten(tmp_path, caplog):
+    """The warm-up plans each remembered shape first: one that does not fit this serde's
+    layout (e.g. written by hand, or by a serde before a layout change) is skipped and
+    dropped from the file; the rest are warmed; a shape the serde plans is remembered
+    only when it fits."""
+    cfg = {"head_dim": 64, "kv_layout": "vllm-cpu", "format": "v1"}
+    ser, de = reg_mod.build_serde(reg_mod.parse_options(cfg))
+    reg_mod.warm(ser, de, tmp_path)
+    assert not list(tmp_path.glob("*.json"))  # nothing planned yet but the synthetic chunk
+    ser.plan(layout([(2, 256, 384)], [torch.bfloat16]))
+    with pytest.raises(ValueError):
+        ser.plan(layout([(2, 100, 384)], [torch.bfloat16]))  # not whole vLLM blocks: refused, not remembered
+    (path,) = tmp_path.glob("lmcache-chunks-*.json")  # the setting's file
+    assert json.loads(path.read_text()) == [[[2, 256, 384], "bfloat16"]]
+    path.write_text(json.dumps([[[2, 2, 256, 128], "bfloat16"], [[2, 256, 384], "bfloat16"]]))  # a split chunk: no fit
+    caplog.set_level(logging.INFO, logger="tq_jax.bridge.registry")
+    ser2, de2 = reg_mod.build_serde(reg_mod.parse_options(cfg))
+    reg_mod.warm(ser2, de2, tmp_path)
+    assert "warm-up failed" not in caplog.text
+    assert "the chunk shapes planned before ([2, 256, 384] bfloat16)" in caplog.text
+    assert json.loads(path.read_text()) == [[[2, 256, 384], "bfloat16"]]
