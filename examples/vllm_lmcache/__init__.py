@@ -4,6 +4,8 @@
 * :mod:`.server`: ``LMCacheServer``, ``lmcache server`` started through
   ``python -m tq_jax.bridge.launch`` with the flags vLLM's connector needs.
 * :mod:`.engine`: ``Engine``, vLLM in a child process, one greedy ``generate`` at a time.
+* :mod:`.api`: ``ApiServer``, vLLM's OpenAI-compatible server in a child process, and
+  ``complete``, one streamed greedy completion for a tenant (``cache_salt``) with its TTFT.
 * :mod:`.prompts`: copy prompts (greedy continuations with wide margins), long prompts.
 * ``python -m examples.vllm_lmcache``: store, restart the server, load from L2; TTFT,
   bytes on L2 and greedy agreement against plain vLLM.

@@ -130,6 +130,14 @@ class LMCacheServer:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
+    def kill(self) -> None:
+        """SIGKILL to the whole process group: the server dies as in a crash, without its
+        shutdown (L1 and anything not yet written to L2 are lost)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
     def restart(self) -> "LMCacheServer":
         """A new server process on the same ports and L2 (L1 starts empty)."""
         self.stop()
