@@ -102,14 +102,14 @@ def test_readme_smoke_line_passes_as_written(tmp_path):
 
 
 def test_v2_example_states_its_true_sizes():
-    """The "Use it" example's byte counts are the layout's exact sizes for its calls, and
+    """docs/codec.md's example byte counts are the layout's exact sizes for its calls, and
     what the comments say of them holds: v2 without raw layers is smaller than the v1
     blob, with raw edge layers larger."""
     import ast
 
     import tq_jax
 
-    text = _read("README.md")
+    text = _read("docs", "codec.md")
     block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "blob2 =" in b)
     shape = (2, 32, 256, 8, 128)
     assert f"standard_normal({shape})" in block.replace(" ", "").replace(",", ", ")
@@ -125,13 +125,13 @@ def test_v2_example_states_its_true_sizes():
 
 
 def test_bits_per_element_table_is_what_serialized_size_gives():
-    """README's bits-per-element table: each cell is ``serialized_size`` × 8 / elements
-    for the shape in its column's header and the settings of its row."""
+    """docs/codec.md's bits-per-element table: each cell is ``serialized_size`` × 8 /
+    elements for the shape in its column's header and the settings of its row."""
     import math
 
     import tq_jax
 
-    text = _read("README.md")
+    text = _read("docs", "codec.md")
     head = next(ln for ln in text.splitlines() if ln.startswith("| settings | head_dim 128"))
     shapes = [tuple(map(int, s.split(", "))) for s in re.findall(r"`\[([\d, ]+)\]`", head)]
     assert [s[-1] for s in shapes] == [128, 64]
@@ -159,17 +159,29 @@ def python_blocks(text: str) -> list[str]:
     return re.findall(r"```python\n(.*?)```", text, re.S)
 
 
-@pytest.mark.slow
-def test_readme_python_blocks_run_as_written():
-    """Run in order in one namespace, as a reader follows the page: every name a block
-    uses is defined by it or by a block above it."""
-    import numpy as np
-
-    blocks = python_blocks(_read("README.md"))
-    assert len(blocks) >= 5
+def _run_blocks(*page) -> dict:
+    """A page's python blocks run in order in one namespace, as a reader follows it: every
+    name a block uses is defined by it or by a block above it."""
+    blocks = python_blocks(_read(*page))
+    assert blocks, page
     ns: dict = {}
     for block in blocks:
-        exec(compile(block, "README.md", "exec"), ns)  # noqa: S102 - the page's own code
+        exec(compile(block, "/".join(page), "exec"), ns)  # noqa: S102 - the page's own code
+    return ns
+
+
+@pytest.mark.slow
+def test_readme_python_blocks_run_as_written():
+    import numpy as np
+
+    ns = _run_blocks("README.md")
     assert ns["x"].shape == ns["kv"].shape == (2, 32, 256, 8, 128)  # "Use it" redefines the top block's kv
     assert ns["out"].shape == ns["q"].shape and np.isfinite(np.asarray(ns["out"], np.float32)).all()
+
+
+@pytest.mark.slow
+def test_codec_page_python_blocks_run_as_written():
+    ns = _run_blocks("docs", "codec.md")
+    assert ns["x"].shape == ns["kv"].shape == (2, 32, 256, 8, 128)
     assert ns["y"].shape == ns["x"].shape
+    assert len(ns["blob3"]) < len(ns["blob"])

@@ -324,7 +324,7 @@ PRESETS = {
     # generation loop (docs/serving-smollm2.md): closer to a bf16 cache's perplexity and KL
     # than 4/4 or K6V2 at the same bytes; its passkey means over rotation seeds stay near
     # bf16's up to 1024 tokens, not at 2048. All-in 4.095 bits per element at head_dim 64
-    # and 4.047 at 128 for 256-token chunks (README's table); in the cache it takes 4/4's
+    # and 4.047 at 128 for 256-token chunks (docs/codec.md's table); in the cache it takes 4/4's
     # bytes (tests/test_kvcache_window.py).
     "turbo-4": dict(key_bits=5, value_bits=3, rotation="hadamard", norm_correction=True,
                     norm_bits=6, checksum=True),
