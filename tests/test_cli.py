@@ -12,6 +12,7 @@ import pytest
 
 import tq_jax
 from tq_jax import batch
+from tq_jax import bench
 from tq_jax import cli
 from tq_jax import safetensors_io as st
 
@@ -451,7 +452,8 @@ def test_bench_quick_writes_table_and_charts(tmp_path, capsys):
     out = tmp_path / "bench"
     assert run("bench", "--quick", "--repeats", 1, "--bits", "2,4", "--out-dir", out) == 0
     text = capsys.readouterr().out
-    for row in ("bf16 memcpy", "fp8 e4m3 cast", "tq-jax 2-bit", "tq-jax 4-bit"):
+    presets = ("turbo-4", "turbo-3.5", "turbo-2.5")  # shown by default, beside the v1 widths
+    for row in ("bf16 memcpy", "fp8 e4m3 cast", "tq-jax 2-bit", "tq-jax 4-bit", *(f"tq-jax {p}" for p in presets)):
         assert row in text
     assert "ratio vs bf16" in text and "attn rel err" in text and "enc MB/s" in text
     assert _listing(out) == ["bench.json", "bench.md", "size_vs_quality.png", "throughput.png"]
@@ -462,6 +464,10 @@ def test_bench_quick_writes_table_and_charts(tmp_path, capsys):
     assert res["bf16 memcpy"]["ratio"] == 1.0 and res["bf16 memcpy"]["cosine"] == pytest.approx(1.0)
     assert res["tq-jax 4-bit"]["cosine"] > 0.99 and res["tq-jax 4-bit"]["ratio"] > 3.8
     assert res["tq-jax 2-bit"]["attn_err"] > res["tq-jax 4-bit"]["attn_err"] > 0
+    for p in presets:  # the preset's blob, sized independently of the bench
+        assert res[f"tq-jax {p}"]["nbytes"] == tq_jax.serialized_size(doc["shape"], jnp.bfloat16, options=p)
+        assert res[f"tq-jax {p}"]["cosine"] > 0.95
+    assert not any(m.startswith(f"reference {p}") for m in res for p in presets)  # the reference has no presets
     try:
         import lmcache_turbo_quant_serde  # noqa: F401
     except ImportError:
@@ -474,11 +480,34 @@ def test_bench_quick_writes_table_and_charts(tmp_path, capsys):
 def test_bench_without_matplotlib(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     out = tmp_path / "bench"
-    assert run("bench", "--quick", "--repeats", 1, "--bits", "4", "--no-reference", "--out-dir", out) == 0
-    assert "matplotlib is not installed" in capsys.readouterr().out
+    assert run("bench", "--quick", "--repeats", 1, "--bits", "4", "--presets", "", "--no-reference",
+               "--out-dir", out) == 0
+    text = capsys.readouterr().out
+    assert "matplotlib is not installed" in text
+    assert "tq-jax 4-bit" in text and "turbo" not in text  # --presets '': the v1 width alone
     assert _listing(out) == ["bench.json", "bench.md"]
 
 
 def test_bench_bad_bits(capsys):
     assert run("bench", "--bits", "4,9") == 1
     assert "--bits" in capsys.readouterr().err
+
+
+def test_bench_bad_preset_names_the_presets(capsys):
+    assert run("bench", "--presets", "turbo-4,turbo-9") == 1
+    err = capsys.readouterr().err
+    assert "--presets" in err and "'turbo-4,turbo-9'" in err and "turbo-3.5" in err
+
+
+def test_bench_measure_times_every_method_and_floor_in_each_round():
+    """One timing loop for both front ends: in rounds, a time per round for every encode, decode and floor."""
+    x = bench.synthetic_kv(bench.QUICK_SHAPE, seed=0, outliers=0)
+    floor_calls = []
+    m = bench.measure(x, bench.attention_setup(x, seed=0), [bench.memcpy_method(x)], repeats=3, interleaved=True,
+                      floors={"floor": lambda: floor_calls.append(1)})
+    assert sorted(m.times) == [("bf16 memcpy", "decode"), ("bf16 memcpy", "encode"), ("floor", "floor")]
+    assert all(len(t) == 3 for t in m.times.values()) and len(floor_calls) == 4  # a warm-up, then 3 rounds
+    (r,) = m.results
+    assert (r.method, r.nbytes, r.ratio, r.bits_per_value, r.cosine, r.attn_err) == (
+        "bf16 memcpy", x.nbytes, 1.0, 16.0, pytest.approx(1.0), 0.0)
+    assert r.peak_mb is None  # measured only when asked

@@ -226,22 +226,25 @@ def test_decompress_help_describes_decompress(capsys):
     assert "one blob per piece" in " ".join(capsys.readouterr().out.split())
 
 
-def test_bench_charts_say_which_way_is_better_and_label_fp8():
+def test_bench_charts_say_which_way_is_better_and_label_fp8_and_presets():
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
-    def res(method, bits, nbytes, cos):
-        return bench.Result(method, bits, nbytes, 1024 / nbytes, cos, 1 - cos, 1.0, 1.0, 10.0, 20.0)
+    def res(codec, setting, bits, nbytes, cos):  # a 512-value workload: 1024 bytes of bf16
+        return bench.Result(codec, setting, bits, nbytes, 8 * nbytes / 512, 1024 / nbytes, cos, 1 - cos,
+                            1.0, 1.0, 10.0, 20.0, 0.0, 0.0)
 
-    results = [res("bf16 memcpy", 16, 1024, 1.0), res("fp8 e4m3 cast", 8, 520, 0.9997),
-               res("tq-jax 4-bit", 4, 270, 0.995), res("reference 4-bit", 4, 270, 0.995)]
-    figs = bench.figures(results, 512, "test")
+    results = [res("bf16 memcpy", "", 16, 1024, 1.0), res("fp8 e4m3 cast", "", 8, 520, 0.9997),
+               res("tq-jax", "4-bit", 4, 270, 0.995), res("tq-jax", "turbo-3.5", 3.5, 230, 0.99),
+               res("reference", "4-bit", 4, 270, 0.995)]
+    figs = bench.figures(results, "test")
     try:
         quality, speed = figs["size_vs_quality.png"], figs["throughput.png"]
         for ax in quality.axes:
             assert "lower is better" in ax.get_ylabel()
             labels = {t.get_text() for t in ax.texts}
-            assert {"fp8", "4b"} <= labels, labels
+            assert {"fp8", "4b", "turbo-3.5"} <= labels, labels
+            assert "tq-jax presets" in {t.get_text() for t in ax.get_legend().get_texts()}
         assert "higher is better" in speed.axes[0].get_xlabel()
     finally:
         for f in figs.values():

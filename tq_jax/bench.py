@@ -1,4 +1,9 @@
-"""``tq-jax bench``: tq-jax vs the reference vs an fp8 cast vs memcpy on a built-in KV workload.
+"""Side-by-side codec measurements: tq-jax vs the reference vs an fp8 cast vs memcpy on a KV workload.
+
+``tq-jax bench`` (:func:`run_bench`) and ``benchmarks/bench_codec.py`` (the README's codec
+table) are two front ends over this one implementation: the methods, the timing loop, the
+quality metrics, the rotation floor and the table rendering all live here, so the CLI
+needs nothing from the ``benchmarks/`` tree.
 
 The workload is W1-shaped — LMCache's per-chunk KV layout ``[2, L, T, H, D]`` =
 ``[2, 32, 256, 8, 128]`` in bfloat16 (32 MiB) — and synthetic, generated from a fixed
@@ -8,16 +13,19 @@ seed so nothing is downloaded: keys are Gaussian with a few outlier channels per
 For each method it reports the stored size, the ratio to bf16, the mean per-vector
 cosine similarity, the relative error of the attention output
 ``softmax(q K^T / sqrt(D)) V`` for random queries (per layer and head, on a subset of
-layers), and host-to-host encode/decode times (median of ``repeats`` runs after one
-warm-up) with the matching throughput in MB/s of bf16 input.
+layers), and host-to-host encode/decode times with the matching throughput in MB/s of
+bf16 input. A row's time is the median of ``repeats`` calls after a warm-up call
+(:func:`measure`); the codec table times them in interleaved rounds, ``tq-jax bench``
+each method's calls in a row.
 
 Methods:
-    * tq-jax at each requested bit width (``tq_jax.dumps`` / ``tq_jax.load_into``);
+    * tq-jax at each requested TQ01 v1 bit width and each requested preset of
+      ``tq_jax.PRESETS`` (``tq_jax.dumps`` / ``tq_jax.load_into``);
     * the reference plugin (``lmcache-turbo-quant-serde`` + ``tqai``), when installed,
-      at the widths whose (…, D, 2**bits) float32 intermediate fits a 2 GiB budget —
-      its 8-bit encoder would need ~17 GB here;
+      at the v1 widths whose (…, D, 2**bits) float32 intermediate fits a 2 GiB budget
+      (its encoder materialises that tensor; it has no presets);
     * an fp8-style cast: per-vector absmax scale (float16) and float8_e4m3fn values;
-    * memcpy of the bf16 bytes (the lossless baseline).
+    * memcpy of the bf16 bytes into a preallocated buffer (the lossless baseline).
 
 Charts (matplotlib, optional): ``size_vs_quality.png`` and ``throughput.png``; every
 axis says which way is better, and every point of the size/quality chart is labelled.
@@ -25,6 +33,8 @@ axis says which way is better, and every point of the size/quality chart is labe
 
 from __future__ import annotations
 
+import functools
+import gc
 import json
 import math
 import os
@@ -36,18 +46,49 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-__all__ = ["W1_SHAPE", "QUICK_SHAPE", "synthetic_kv", "Result", "run_bench", "format_table"]
+from tq_jax.options import PRESETS
+
+__all__ = [
+    "W1_SHAPE", "QUICK_SHAPE", "PRESET_ROWS", "COLUMNS", "synthetic_kv", "Attention", "attention_setup", "Method",
+    "Result", "Measurement", "memcpy_method", "fp8_method", "tq_methods", "reference_methods", "rotation_floor",
+    "measure", "render_table", "format_table", "figures", "run_bench",
+]
 
 W1_SHAPE = (2, 32, 256, 8, 128)
 QUICK_SHAPE = (2, 4, 64, 8, 128)
-_REF_BUDGET = 2 << 30  # bytes of the reference's (…, D, 2**bits) float32 intermediate
+PRESET_ROWS = ("turbo-4", "turbo-3.5", "turbo-2.5")  # the settings we recommend, shown beside the v1 widths
+_REF_BITS = (2, 3, 4, 6, 8)  # the widths the reference plugin implements (TQ01 v1)
+_REF_BUDGET = 2 << 30  # the largest (…, D, 2**bits) float32 intermediate the reference may allocate, in bytes
 _FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
+def _label(codec: str, setting: str) -> str:
+    return f"{codec} {setting}".strip()
+
+
+class Method(NamedTuple):
+    """One row to measure: ``encode()`` stores the workload, ``decode(stored)`` returns it as a bf16 array."""
+
+    codec: str  # "tq-jax", "reference", or a baseline's whole name ("bf16 memcpy")
+    setting: str  # "4-bit", a preset name ("turbo-4"), or "" for a baseline
+    bits: float | None  # nominal bits per coordinate; a preset's is the mean of its key and value bits
+    encode: Callable[[], object]
+    decode: Callable[[object], np.ndarray]
+
+    @property
+    def name(self) -> str:
+        """The row's label: "tq-jax 4-bit", "tq-jax turbo-4", "bf16 memcpy"."""
+        return _label(self.codec, self.setting)
+
+
 class Result(NamedTuple):
-    method: str
-    bits: float | None  # nominal bits per coordinate (None for baselines)
+    """One measured row. Times are medians of the timed calls; MB/s are of the bf16 input."""
+
+    codec: str
+    setting: str
+    bits: float | None
     nbytes: int
+    bits_per_value: float  # stored bits per element of the workload
     ratio: float  # bf16 bytes / stored bytes
     cosine: float
     attn_err: float
@@ -55,10 +96,27 @@ class Result(NamedTuple):
     dec_ms: float
     enc_mbps: float
     dec_mbps: float
+    enc_compile_ms: float  # the warm-up call minus the median: compilation and first-touch costs
+    dec_compile_ms: float
+    peak_mb: float | None = None  # resident memory above the start of one encode or decode; None if not measured
+
+    @property
+    def method(self) -> str:
+        """The row's label, ``Method.name``."""
+        return _label(self.codec, self.setting)
+
+
+class Measurement(NamedTuple):
+    """What :func:`measure` returns: the rows, and the raw times for ratios a report pairs by round."""
+
+    results: list[Result]  # one per method, in the order given
+    # seconds of each timed call, by (method, "encode" or "decode") and (floor, "floor")
+    times: dict[tuple[str, str], list[float]]
 
 
 def synthetic_kv(shape=W1_SHAPE, seed: int = 0, outliers: int = 4) -> np.ndarray:
-    """A reproducible bf16 KV tensor ``[2, L, T, H, D]``: keys with outlier channels, values Gaussian."""
+    """A reproducible bf16 KV tensor ``[2, L, T, H, D]``: keys with ``outliers`` outlier channels per head
+    (none: plain Gaussian keys), values Gaussian."""
     import jax.numpy as jnp
 
     two, n_layers, _, n_heads, dim = shape
@@ -96,7 +154,9 @@ def mean_cosine(x: np.ndarray, y: np.ndarray, block: int = 1 << 16) -> float:
     return total / a.shape[0]
 
 
-class _Attn(NamedTuple):
+class Attention(NamedTuple):
+    """Random queries on a subset of layers and the exact attention outputs they give."""
+
     layers: np.ndarray
     queries: np.ndarray  # (len(layers), H, nq, D) float32
     reference: np.ndarray  # exact output
@@ -112,14 +172,15 @@ def _attention(kv: np.ndarray, layers, queries) -> np.ndarray:
     return np.einsum("shqt,shtd->shqd", p, v)
 
 
-def attention_setup(kv: np.ndarray, seed: int, n_layers: int = 8, n_queries: int = 32) -> _Attn:
+def attention_setup(kv: np.ndarray, seed: int, n_layers: int = 8, n_queries: int = 32) -> Attention:
+    """``n_queries`` random queries per head on ``n_layers`` evenly spaced layers, and their exact outputs."""
     _, L, _, H, D = kv.shape
     layers = np.unique(np.linspace(0, L - 1, min(L, n_layers)).round().astype(int))
     q = np.random.default_rng(seed + 1).standard_normal((len(layers), H, n_queries, D), dtype=np.float32)
-    return _Attn(layers, q, _attention(kv, layers, q))
+    return Attention(layers, q, _attention(kv, layers, q))
 
 
-def attention_error(att: _Attn, kv_hat: np.ndarray) -> float:
+def attention_error(att: Attention, kv_hat: np.ndarray) -> float:
     """Mean over (layer, head) of ||O_hat - O|| / ||O|| for the setup's queries."""
     out = _attention(kv_hat, att.layers, att.queries)
     num = np.linalg.norm((out - att.reference).reshape(*out.shape[:2], -1), axis=-1)
@@ -130,51 +191,23 @@ def attention_error(att: _Attn, kv_hat: np.ndarray) -> float:
 # --------------------------------------------------------------------------- methods
 
 
-def _median_ms(fn: Callable[[], object], repeats: int) -> tuple[float, object]:
-    out = fn()  # warm-up (and compilation)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times), out
+def memcpy_method(x: np.ndarray) -> Method:
+    """A copy into a preallocated buffer each way: a fresh ``x.copy()`` would also time page faults."""
+    stored, out = np.empty_like(x), np.empty_like(x)
+
+    def enc():
+        np.copyto(stored, x)
+        return stored
+
+    def dec(src):
+        np.copyto(out, src)
+        return out
+
+    return Method("bf16 memcpy", "", 16, enc, dec)
 
 
-def _measure(method, bits, x, att, encode, decode, repeats) -> Result:
-    enc_ms, stored = _median_ms(encode, repeats)
-    dec_ms, y = _median_ms(lambda: decode(stored), repeats)
-    nbytes = stored if isinstance(stored, int) else _stored_nbytes(stored)
-    mb = x.nbytes / 1e6
-    return Result(
-        method, bits, nbytes, x.nbytes / nbytes, mean_cosine(x, y), attention_error(att, y),
-        enc_ms, dec_ms, mb / (enc_ms / 1e3), mb / (dec_ms / 1e3),
-    )
-
-
-def _stored_nbytes(stored) -> int:
-    if isinstance(stored, (bytes, bytearray, memoryview)):
-        return len(stored)
-    if isinstance(stored, np.ndarray):
-        return stored.nbytes
-    return sum(_stored_nbytes(s) for s in stored)
-
-
-def _tq_methods(x, bits_list, devices):
-    import tq_jax
-
-    out = np.empty_like(x)
-    for bits in bits_list:
-        def enc(bits=bits):
-            return tq_jax.dumps(x, bits=bits, device=devices)
-
-        def dec(blob):
-            tq_jax.load_into(blob, out, device=devices)
-            return out
-
-        yield f"tq-jax {bits}-bit", bits, enc, dec
-
-
-def _fp8_method(x, devices):
+def fp8_method(x: np.ndarray, devices) -> Method:
+    """A jit-compiled fp8 cast on ``devices[0]``: per-vector absmax scale (float16), float8_e4m3fn values."""
     import jax
     import jax.numpy as jnp
 
@@ -200,20 +233,39 @@ def _fp8_method(x, devices):
         q, s = stored
         return np.asarray(dec_k(jax.device_put(q, dev), jax.device_put(s, dev)))
 
-    return "fp8 e4m3 cast", 8, enc, dec
+    return Method("fp8 e4m3 cast", "", 8, enc, dec)
 
 
-def _memcpy_method(x):
-    def enc():
-        return x.copy()
+def tq_methods(x: np.ndarray, settings, devices) -> list[Method]:
+    """tq-jax rows: an int in ``settings`` is a TQ01 v1 bit width, a string a name in ``tq_jax.PRESETS``.
 
-    def dec(stored):
-        return stored.copy()
+    Decoding writes into one preallocated host buffer (``tq_jax.load_into``), shared by the rows.
+    """
+    import tq_jax
 
-    return "bf16 memcpy", 16, enc, dec
+    out = np.empty_like(x)
+
+    def dec(blob):
+        tq_jax.load_into(blob, out, device=devices)
+        return out
+
+    methods = []
+    for setting in settings:
+        if isinstance(setting, str):
+            preset = PRESETS[setting]
+            enc = functools.partial(tq_jax.dumps, x, options=setting, device=devices)
+            methods.append(Method("tq-jax", setting, (preset["key_bits"] + preset["value_bits"]) / 2, enc, dec))
+        else:
+            enc = functools.partial(tq_jax.dumps, x, bits=setting, device=devices)
+            methods.append(Method("tq-jax", f"{setting}-bit", setting, enc, dec))
+    return methods
 
 
-def _reference_methods(x, bits_list, note: Callable[[str], None]):
+def reference_methods(x: np.ndarray, bits_list, note: Callable[[str], None]) -> list[Method]:
+    """The reference plugin's rows at the widths of ``bits_list`` it implements, or none (with a note) if absent.
+
+    A width whose float32 intermediate would exceed the budget is skipped with a note.
+    """
     try:
         from lmcache_turbo_quant_serde import _codec as ref
     except Exception as e:  # ImportError, or a broken install
@@ -221,14 +273,14 @@ def _reference_methods(x, bits_list, note: Callable[[str], None]):
             f"reference plugin not available ({type(e).__name__}: {e}); install it with "
             f"`pip install lmcache-turbo-quant-serde==0.1.0 tqai==0.6.1` to compare."
         )
-        return
+        return []
     # The reference works on torch tensors: use the torch it imported itself (tq_jax
     # never imports torch; this optional comparison runs only when the peer is there).
     torch = ref.torch
-    TurboQuantSerializer, TurboQuantDeserializer = ref.TurboQuantSerializer, ref.TurboQuantDeserializer
     torch.manual_seed(0)
     xt = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
-    for bits in bits_list:
+    methods = []
+    for bits in (b for b in bits_list if b in _REF_BITS):
         need = x.size * (1 << bits) * 4
         if need > _REF_BUDGET:
             note(
@@ -236,35 +288,157 @@ def _reference_methods(x, bits_list, note: Callable[[str], None]):
                 f"tensor, {need / 2**30:.0f} GiB for this workload."
             )
             continue
-        ser = TurboQuantSerializer(bits=bits)
-        de = TurboQuantDeserializer()
-
-        def enc(ser=ser):
-            return ser.to_bytes(xt)
+        ser, de = ref.TurboQuantSerializer(bits=bits), ref.TurboQuantDeserializer()
 
         def dec(blob, de=de):
             return de.from_bytes(blob).view(torch.int16).numpy().view(x.dtype)
 
-        yield f"reference {bits}-bit", bits, enc, dec
+        methods.append(Method("reference", f"{bits}-bit", bits, functools.partial(ser.to_bytes, xt), dec))
+    return methods
+
+
+def rotation_floor(x: np.ndarray, devices) -> tuple[Callable[[], None], int]:
+    """The codec's compute floor: its rotation alone, as a call to time next to the methods.
+
+    A float32 ``(n, D) @ (D, D)`` GEMM over as many vectors as ``x`` holds, in blocks of the
+    size the codec uses on ``devices``, on ``devices[0]``.
+
+    Returns:
+        ``(call, vectors per block)``; the call waits for its results.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from tq_jax import blocks
+
+    dim = x.shape[-1]
+    block = blocks.block_vectors_for(dim, None, devices)
+    rng = np.random.default_rng(1)
+    parts = [jax.device_put(rng.standard_normal((block, dim), np.float32), devices[0])
+             for _ in range(max(1, x.size // dim // block))]
+    rot = jax.device_put(np.linalg.qr(rng.standard_normal((dim, dim)))[0].astype(np.float32), devices[0])
+    gemm = jax.jit(lambda a: jnp.matmul(a, rot, precision=jax.lax.Precision.HIGHEST))
+
+    def call():
+        jax.block_until_ready([gemm(a) for a in parts])
+
+    return call, block
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def _timed(fn: Callable[[], object]) -> tuple[object, float]:
+    t = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t
+
+
+def _stored_nbytes(stored) -> int:
+    if isinstance(stored, (bytes, bytearray, memoryview)):
+        return len(stored)
+    if isinstance(stored, np.ndarray):
+        return stored.nbytes
+    return sum(_stored_nbytes(s) for s in stored)
+
+
+def _rss_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def _peak_extra_mb(fn: Callable[[], object]) -> float | None:
+    """Peak resident memory of one call of ``fn`` above the memory before it (Linux), else None."""
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM, the peak, to the current resident size
+    except OSError:
+        return None
+    base = _rss_kb("VmRSS")
+    fn()
+    return max(0, _rss_kb("VmHWM") - base) / 1024
+
+
+def measure(x: np.ndarray, att: Attention, methods: list[Method], *, repeats: int, interleaved: bool = False,
+            settle_s: float = 0.0, floors: dict[str, Callable[[], object]] | None = None,
+            peak_memory: bool = False) -> Measurement:
+    """Measure each method on ``x``: quality from a warm-up round trip, times from ``repeats`` calls each.
+
+    Each method is first run once (encode, then decode of what it stored): that round trip
+    gives the size and quality, and its extra time over the median is the compile time.
+    Then every encode, decode and floor is timed ``repeats`` times: one after another, or
+    in interleaved rounds that time each of them once, back to back, so drift in the
+    machine's speed reaches all of them alike and per-round ratios can be paired.
+
+    Args:
+        x: the bf16 workload ``[2, L, T, H, D]``.
+        att: :func:`attention_setup` of ``x``: the queries and the exact attention outputs.
+        methods: the rows, in the order they are timed.
+        repeats: timed calls of each encode, decode and floor.
+        interleaved: time in rounds (above) rather than each call's repeats in a row.
+        settle_s: seconds to sleep before each timed call, so worker threads that spin after
+            a call (torch's, under the reference) are idle when the next call starts; rounds
+            that interleave the reference with the others need it.
+        floors: yardsticks timed like the methods (:func:`rotation_floor`), by name.
+        peak_memory: also measure each method's peak extra memory (one more encode and decode each).
+
+    Returns:
+        The results, and every timed call's seconds (per round when ``interleaved``).
+    """
+    timers, firsts, rows = {}, {}, []
+    for m in methods:
+        stored, firsts[m.name, "encode"] = _timed(m.encode)
+        decode = functools.partial(m.decode, stored)
+        y, firsts[m.name, "decode"] = _timed(decode)
+        rows.append((m, _stored_nbytes(stored), mean_cosine(x, y), attention_error(att, y)))
+        timers[m.name, "encode"], timers[m.name, "decode"] = m.encode, decode
+    for name, fn in (floors or {}).items():
+        fn()  # warm-up (and compilation)
+        timers[name, "floor"] = fn
+    keys = list(timers)
+    times = {key: [] for key in keys}
+    for key in keys * repeats if interleaved else [key for key in keys for _ in range(repeats)]:
+        time.sleep(settle_s)
+        times[key].append(_timed(timers[key])[1])
+
+    mb = x.nbytes / 1e6
+    results = []
+    for m, nbytes, cosine, attn_err in rows:
+        enc_s, dec_s = statistics.median(times[m.name, "encode"]), statistics.median(times[m.name, "decode"])
+        peak = None
+        if peak_memory:
+            peaks = [_peak_extra_mb(timers[m.name, phase]) for phase in ("encode", "decode")]
+            peak = None if None in peaks else max(peaks)
+        results.append(Result(
+            m.codec, m.setting, m.bits, nbytes, 8 * nbytes / x.size, x.nbytes / nbytes, cosine, attn_err,
+            1e3 * enc_s, 1e3 * dec_s, mb / enc_s, mb / dec_s,
+            1e3 * (firsts[m.name, "encode"] - enc_s), 1e3 * (firsts[m.name, "decode"] - dec_s), peak,
+        ))
+    return Measurement(results, times)
 
 
 # --------------------------------------------------------------------------- report
 
 
-COLUMNS = ("method", "bits/value", "bytes", "ratio vs bf16", "mean cosine", "attn rel err",
-           "enc ms", "dec ms", "enc MB/s", "dec MB/s")
+COLUMNS = (  # the `tq-jax bench` table: (header, cell of a Result)
+    ("method", lambda r: r.method),
+    ("bits/value", lambda r: f"{r.bits_per_value:.2f}"),
+    ("bytes", lambda r: f"{r.nbytes:,}"),
+    ("ratio vs bf16", lambda r: f"{r.ratio:.2f}x"),
+    ("mean cosine", lambda r: f"{r.cosine:.5f}"),
+    ("attn rel err", lambda r: f"{r.attn_err:.4f}"),
+    ("enc ms", lambda r: f"{r.enc_ms:.1f}"),
+    ("dec ms", lambda r: f"{r.dec_ms:.1f}"),
+    ("enc MB/s", lambda r: f"{r.enc_mbps:,.0f}"),
+    ("dec MB/s", lambda r: f"{r.dec_mbps:,.0f}"),
+)
 
 
-def _row(r: Result, n_el: int) -> list[str]:
-    return [
-        r.method, f"{8 * r.nbytes / n_el:.2f}", f"{r.nbytes:,}", f"{r.ratio:.2f}x", f"{r.cosine:.5f}",
-        f"{r.attn_err:.4f}", f"{r.enc_ms:.1f}", f"{r.dec_ms:.1f}", f"{r.enc_mbps:,.0f}", f"{r.dec_mbps:,.0f}",
-    ]
-
-
-def format_table(results: list[Result], n_el: int, markdown: bool = False) -> str:
-    rows = [list(COLUMNS)] + [_row(r, n_el) for r in results]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+def render_table(header, rows, markdown: bool = False) -> str:
+    """Text rows as an aligned plain-text table (first column left, others right) or a markdown one."""
+    rows = [list(header)] + [list(r) for r in rows]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
 
     def fmt(row):
         cells = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
@@ -274,19 +448,27 @@ def format_table(results: list[Result], n_el: int, markdown: bool = False) -> st
     return "\n".join([fmt(rows[0]), sep] + [fmt(r) for r in rows[1:]])
 
 
-def figures(results: list[Result], n_el: int, title: str) -> dict:
+def format_table(results: list[Result], columns=COLUMNS, markdown: bool = False) -> str:
+    """One row per result, one column per ``(header, cell)`` of ``columns``."""
+    return render_table([h for h, _ in columns], [[cell(r) for _, cell in columns] for r in results], markdown)
+
+
+def figures(results: list[Result], title: str) -> dict:
     """The charts as matplotlib figures: {file name: Figure} (the caller closes them)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    def family(r):
-        return r.method.split()[0]
+    def series(r):
+        return "tq-jax presets" if r.codec == "tq-jax" and r.setting in PRESETS else r.codec
 
-    styles = {"tq-jax": ("C0", "o-"), "reference": ("C1", "s--"), "fp8": ("C2", "D"), "bf16": ("C7", "^")}
+    styles = {"tq-jax": ("C0", "o-"), "tq-jax presets": ("C3", "v"), "reference": ("C1", "s--"),
+              "fp8 e4m3 cast": ("C2", "D"), "bf16 memcpy": ("C7", "^")}
     hollow = {"reference": {"markerfacecolor": "none", "markersize": 10, "markeredgewidth": 1.5}}
-    point_labels = {"tq-jax": lambda r: f"{int(r.bits)}b", "fp8": lambda r: "fp8"}
+    point_labels = {"tq-jax": lambda r: r.setting.removesuffix("-bit") + "b", "tq-jax presets": lambda r: r.setting,
+                    "fp8 e4m3 cast": lambda r: "fp8"}
+    label_offsets = {"tq-jax presets": (5, -12)}  # below their points, clear of the v1 widths' labels above
     figs = {}
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -294,20 +476,19 @@ def figures(results: list[Result], n_el: int, title: str) -> dict:
         (axes[0], lambda r: 1.0 - r.cosine, "1 − mean cosine similarity (lower is better)"),
         (axes[1], lambda r: r.attn_err, "attention output relative error (lower is better)"),
     ):
-        for fam in ("tq-jax", "reference", "fp8"):
-            rs = sorted((r for r in results if family(r) == fam), key=lambda r: r.nbytes)
+        for name in ("tq-jax", "tq-jax presets", "reference", "fp8 e4m3 cast"):
+            rs = sorted((r for r in results if series(r) == name), key=lambda r: r.nbytes)
             if not rs:
                 continue
-            color, style = styles[fam]
-            xs = [8 * r.nbytes / n_el for r in rs]
+            color, style = styles[name]
+            xs = [r.bits_per_value for r in rs]
             ys = [max(metric(r), 1e-9) for r in rs]
-            kw = hollow.get(fam, {"markersize": 6})
-            ax.plot(xs, ys, style, color=color, label=fam if fam != "fp8" else "fp8 e4m3 cast", **kw)
-            if fam in point_labels:  # the reference's points sit on tq-jax's (same bytes, same values)
+            ax.plot(xs, ys, style, color=color, label=name, **hollow.get(name, {"markersize": 6}))
+            if name in point_labels:  # the reference's points sit on tq-jax's (same bytes, same values)
                 for r, xv, yv in zip(rs, xs, ys):
-                    ax.annotate(point_labels[fam](r), (xv, yv), textcoords="offset points", xytext=(5, 5),
-                                fontsize=8, color=color)
-        ax.axvline(16, color=styles["bf16"][0], linestyle=":", label="bf16 (lossless)")
+                    ax.annotate(point_labels[name](r), (xv, yv), textcoords="offset points",
+                                xytext=label_offsets.get(name, (5, 5)), fontsize=8, color=color)
+        ax.axvline(16, color=styles["bf16 memcpy"][0], linestyle=":", label="bf16 (lossless)")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("stored bits per value (log scale; left = smaller files)")
@@ -334,8 +515,8 @@ def figures(results: list[Result], n_el: int, title: str) -> dict:
     return figs
 
 
-def _plots(results: list[Result], n_el: int, out_dir: str, title: str) -> list[str]:
-    figs = figures(results, n_el, title)  # ImportError without matplotlib
+def _plots(results: list[Result], out_dir: str, title: str) -> list[str]:
+    figs = figures(results, title)  # ImportError without matplotlib
     import matplotlib.pyplot as plt
 
     paths = []
@@ -347,10 +528,13 @@ def _plots(results: list[Result], n_el: int, out_dir: str, title: str) -> list[s
     return paths
 
 
-def run_bench(*, quick: bool = False, bits=(2, 3, 4, 8), repeats: int = 3, seed: int = 0,
+def run_bench(*, quick: bool = False, bits=(2, 3, 4, 8), presets=PRESET_ROWS, repeats: int = 3, seed: int = 0,
               reference: bool = True, plots: bool = True, out_dir: str = "tq-jax-bench",
               devices=None, echo: Callable[[str], None] = print) -> dict:
     """Run the benchmark, print the table, write bench.md, bench.json and the charts.
+
+    Rows: memcpy, the fp8 cast, tq-jax at each of ``bits`` (TQ01 v1) and each of
+    ``presets``, then the reference at the widths of ``bits`` it can run.
 
     Returns:
         The JSON document written to ``out_dir/bench.json``.
@@ -363,7 +547,6 @@ def run_bench(*, quick: bool = False, bits=(2, 3, 4, 8), repeats: int = 3, seed:
     t0 = time.perf_counter()
     x = synthetic_kv(shape, seed)
     att = attention_setup(x, seed)
-    n_el = x.size
     workload = (
         f"W1-shaped synthetic KV {list(shape)} bf16 ({x.nbytes / 2**20:.1f} MiB), seed {seed}: keys Gaussian "
         f"with 4 outlier channels per head, values Gaussian; attention error over {len(att.layers)} layers x "
@@ -372,19 +555,18 @@ def run_bench(*, quick: bool = False, bits=(2, 3, 4, 8), repeats: int = 3, seed:
     )
     echo(f"workload: {workload}")
 
-    methods = [_memcpy_method(x), _fp8_method(x, devices)]
-    methods += list(_tq_methods(x, bits, devices))
+    methods = [memcpy_method(x), fp8_method(x, devices), *tq_methods(x, [*bits, *presets], devices)]
     if reference:
-        methods += list(_reference_methods(x, [b for b in bits if b in (2, 3, 4, 6, 8)], notes.append))
+        methods += reference_methods(x, bits, notes.append)
     else:
         notes.append("reference skipped (--no-reference).")
+    if presets:
+        notes.append(f"{', '.join(presets)}: tq-jax presets (tq_jax.PRESETS, `tq-jax compress --preset`); "
+                     f"the reference has no presets.")
 
-    results = []
-    for name, b, enc, dec in methods:
-        results.append(_measure(name, b, x, att, enc, dec, repeats))
-    table = format_table(results, n_el)
+    results = measure(x, att, methods, repeats=repeats).results
     echo("")
-    echo(table)
+    echo(format_table(results))
     for n in notes:
         echo(f"note: {n}")
 
@@ -392,7 +574,7 @@ def run_bench(*, quick: bool = False, bits=(2, 3, 4, 8), repeats: int = 3, seed:
     charts = []
     if plots:
         try:
-            charts = _plots(results, n_el, out_dir, f"{list(shape)} bf16")
+            charts = _plots(results, out_dir, f"{list(shape)} bf16")
         except ImportError:
             notes.append("matplotlib is not installed: no charts (pip install -e '.[cli]' in a clone).")
             echo(f"note: {notes[-1]}")
@@ -402,8 +584,9 @@ def run_bench(*, quick: bool = False, bits=(2, 3, 4, 8), repeats: int = 3, seed:
         "seed": seed,
         "repeats": repeats,
         "devices": [str(d) for d in devices],
-        "machine": f"{platform.machine()} {os.cpu_count()} cpus, python {sys.version.split()[0]}, jax {jax.__version__}",
-        "results": [r._asdict() for r in results],
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus, python {sys.version.split()[0]}, "
+                   f"jax {jax.__version__}",
+        "results": [{"method": r.method, **r._asdict()} for r in results],
         "notes": notes,
         "charts": [os.path.basename(c) for c in charts],
         "seconds": time.perf_counter() - t0,
@@ -412,7 +595,7 @@ def run_bench(*, quick: bool = False, bits=(2, 3, 4, 8), repeats: int = 3, seed:
         json.dump(doc, f, indent=2)
     with open(os.path.join(out_dir, "bench.md"), "w") as f:
         f.write(f"# tq-jax bench\n\n{workload}.\n\n{doc['machine']}\n\n")
-        f.write(format_table(results, n_el, markdown=True) + "\n\n")
+        f.write(format_table(results, markdown=True) + "\n\n")
         f.writelines(f"- {n}\n" for n in notes)
         f.writelines(f"\n![{c}]({os.path.basename(c)})\n" for c in charts)
     echo(f"\nwrote {', '.join(['bench.md', 'bench.json'] + [os.path.basename(c) for c in charts])} "

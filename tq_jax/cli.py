@@ -2,7 +2,7 @@
 
 Usage::
 
-    tq-jax bench [--quick] [--out-dir DIR] [-v]
+    tq-jax bench [--quick] [--bits 2,3,4,8] [--presets turbo-4,...] [--out-dir DIR] [-v]
     tq-jax compress IN [IN ...] OUT [--bits 4] [--seed 42] [--head-dim 128] [--all] ...
     tq-jax decompress IN [IN ...] OUT
     tq-jax inspect FILE [--json] [-v]
@@ -47,6 +47,7 @@ class _OnFirstUse:
 
 
 _batch = _OnFirstUse("tq_jax.batch")
+_bench = _OnFirstUse("tq_jax.bench")
 _inspect = _OnFirstUse("tq_jax.batch.inspect")
 _flags = _OnFirstUse("tq_jax.flags")
 _st = _OnFirstUse("tq_jax.safetensors_io")
@@ -256,8 +257,6 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from tq_jax import bench as _bench
-
     bits = []
     for b in args.bits.split(","):
         try:
@@ -267,10 +266,15 @@ def cmd_bench(args) -> int:
         if b not in _codebook.BITS_RANGE:
             raise CliError(f"--bits takes a comma-separated list of {tuple(_codebook.BITS_RANGE)}, got {args.bits!r}")
         bits.append(b)
+    presets = tuple(p for p in args.presets.split(",") if p)
+    for p in presets:
+        if p not in _options.PRESETS:
+            raise CliError(f"--presets takes a comma-separated list of {', '.join(_options.PRESETS)} (or ''), "
+                           f"got {args.presets!r}")
     if args.repeats < 1:
         raise CliError(f"--repeats must be at least 1, got {args.repeats}")
     with quiet_third_party_logs(args.verbose):  # LMCache (under the reference) logs INFO lines
-        _bench.run_bench(quick=args.quick, bits=tuple(bits), repeats=args.repeats, seed=args.seed,
+        _bench.run_bench(quick=args.quick, bits=tuple(bits), presets=presets, repeats=args.repeats, seed=args.seed,
                          reference=not args.no_reference, plots=not args.no_plots, out_dir=args.out_dir,
                          devices=_devices(args.devices))
     return 0
@@ -366,7 +370,10 @@ def build_parser(options_cls=None) -> argparse.ArgumentParser:
                                    "[2, 32, 256, 8, 128] bf16 (no download).")
     p.add_argument("--quick", action="store_true", help="a small workload [2, 4, 64, 8, 128] (seconds)")
     p.add_argument("--bits", default="2,3,4,8", help="tq-jax bit widths, comma-separated (default: 2,3,4,8)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per method after a warm-up (default: 3)")
+    p.add_argument("--presets", default=",".join(_bench.PRESET_ROWS),
+                   help=f"tq-jax presets, comma-separated, '' for none (default: {','.join(_bench.PRESET_ROWS)})")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed runs of each encode and decode after a warm-up (default: 3)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
     p.add_argument("--out-dir", default="tq-jax-bench", help="where to write bench.md/json and PNGs")
     p.add_argument("--no-reference", action="store_true", help="skip the reference plugin even if installed")
