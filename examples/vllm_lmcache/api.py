@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .server import free_port
+from .server import LoggedChild, free_port
 
 MODULE = "vllm.entrypoints.openai.api_server"
 
@@ -65,7 +65,7 @@ class Completion:
     margins: list[float] = field(default_factory=list)
 
 
-class ApiServer:
+class ApiServer(LoggedChild):
     """``python -m vllm.entrypoints.openai.api_server`` for one model, in its own process group.
 
     Args:
@@ -191,21 +191,6 @@ class ApiServer:
         if self.proc.poll() is None:
             self.proc.wait(10)
         self.proc = None
-
-    def lines(self) -> list[str]:
-        try:
-            return self.log_path.read_text(errors="replace").splitlines()
-        except FileNotFoundError:
-            return []
-
-    def tail(self, n: int = 40) -> str:
-        return "\n".join(self.lines()[-n:])
-
-    def __enter__(self) -> "ApiServer":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def cpu_sets(count: int) -> list[str | None]:

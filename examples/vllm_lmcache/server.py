@@ -48,7 +48,30 @@ def resp_adapter(host: str, port: int, serde: dict) -> dict:
     return {"type": "resp", "host": host, "port": int(port), "serde": {"type": "tq_jax", **serde}}
 
 
-class LMCacheServer:
+class LoggedChild:
+    """A child process that logs to ``self.log_path``, started by ``start()`` and ended by
+    ``stop()``; a context manager over the two."""
+
+    log_path: Path
+
+    def lines(self) -> list[str]:
+        """The log so far."""
+        try:
+            return self.log_path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return []
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.lines()[-n:])
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class LMCacheServer(LoggedChild):
     """``lmcache server`` with one L2 adapter, in a child process of ``python``.
 
     Args:
@@ -142,19 +165,3 @@ class LMCacheServer:
         """A new server process on the same ports and L2 (L1 starts empty)."""
         self.stop()
         return self.start()
-
-    def lines(self) -> list[str]:
-        """The log so far."""
-        try:
-            return self.log_path.read_text(errors="replace").splitlines()
-        except FileNotFoundError:
-            return []
-
-    def tail(self, n: int = 40) -> str:
-        return "\n".join(self.lines()[-n:])
-
-    def __enter__(self) -> "LMCacheServer":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
