@@ -22,7 +22,7 @@ Scenarios (``--scenario``, default ``all``):
 * ``fault_inner_serde``  ``fault_inject`` with ``serde`` only on the ``inner`` dict:
                  parsed but never applied (files are raw size, round trip bit exact).
 
-Run:  python docs/lmcache_storage_manager_example.py [--small] [--scenario NAME]
+Run:  python examples/lmcache_storage_manager.py [--small] [--scenario NAME]
 """
 
 from __future__ import annotations
