@@ -204,9 +204,7 @@ def test_fault_inject_drops_become_misses_never_wrong_kv(lmc, tmp_path):
 @pytest.mark.parametrize("checksum", [False, True], ids=["v1", "v2-crc32"])
 def test_corrupted_files_are_misses_or_documented_v1_blind_spots(lmc, tmp_path, checksum):
     torch = lmc["torch"]
-    serde = {"type": "tq_jax", "head_dim": HEAD_DIM, "bits": 4}
-    if checksum:
-        serde["checksum"] = True
+    serde = {"type": "tq_jax", "head_dim": HEAD_DIM, "bits": 4, "checksum": checksum}  # false: v1, by its settings
     keys = [lmc["bu"].key(i, f"cor{int(checksum)}") for i in range(10)]
     data = _data(torch, len(keys), seed=1)
     cache = Cache(lmc, {"type": "fs", "base_path": str(tmp_path), "serde": serde})
