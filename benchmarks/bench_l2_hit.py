@@ -33,6 +33,7 @@ from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey  # noqa: E402
 from lmcache.v1.memory_management import TensorMemoryObj  # noqa: E402
 
 from benchmarks.bench_lmcache import make_obj  # noqa: E402 (aligned MemoryObjs, as L1 hands them out)
+from benchmarks.timing import Yardsticks  # noqa: E402
 from tq_jax.bridge import registry  # noqa: E402
 
 CHUNK = (30, 256, 384)  # SmolLM2-135M on vLLM's CPU backend: [L, T, H*2*D], H=3, D=64
@@ -94,24 +95,14 @@ def main(argv=None) -> None:
     cases = {(name, w): Case(serde, w, chunks) for name, serde in SETTINGS.items() for w in workers}
     for c in cases.values():
         c.load()  # compiles the decoders
-    raw = torch.stack([c.tensor for c in chunks]).view(torch.int16).numpy()
-    dst = np.empty_like(raw)
-    vectors = CHUNKS * raw[0].size // 128
-    a = np.random.default_rng(0).standard_normal((vectors, 128)).astype(np.float32)
-    b = np.random.default_rng(1).standard_normal((128, 128)).astype(np.float32)
-    gemm_out = np.empty((vectors, 128), np.float32)
+    yard = Yardsticks(torch.stack([c.tensor for c in chunks]).view(torch.int16).numpy())
+    vectors = yard.a.shape[0]
     times = {k: [] for k in cases}
-    memcpy, gemm = [], []
     for _ in range(args.rounds):
         for k, c in cases.items():
             times[k].append(c.load())
-        t = time.perf_counter()
-        np.copyto(dst, raw)
-        memcpy.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        np.matmul(a, b, out=gemm_out)
-        gemm.append(time.perf_counter() - t)
-    mc, gm = statistics.median(memcpy), statistics.median(gemm)
+        yard.time_round()
+    mc, gm = yard.medians()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
     lines = [
         "# The serde's share of an L2 hit: 15 SmolLM2 chunks decoded (kv_layout vllm-cpu)",

@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.timing import Yardsticks
+
 CHUNK = (30, 256, 384)  # SmolLM2-135M on vLLM's CPU backend: [L, T, H*2*D], H=3, D=64
 CHUNKS = 15
 SETTINGS = {  # the serde dicts compared (head_dim and max_workers added)
@@ -115,21 +117,11 @@ def read(base: str, serde: dict, warm: int) -> dict:
                 time.sleep(0.01)
     finally:
         sm.close()
-    raw = np.random.default_rng(0).integers(0, 1 << 15, (CHUNKS, *CHUNK), dtype=np.int16)
-    dst = np.empty_like(raw)
-    a = np.random.default_rng(1).standard_normal((raw.size // 128, 128)).astype(np.float32)
-    b = np.random.default_rng(2).standard_normal((128, 128)).astype(np.float32)
-    out = np.empty_like(a)
-    memcpy, gemm = [], []
+    yard = Yardsticks(np.random.default_rng(0).integers(0, 1 << 15, (CHUNKS, *CHUNK), dtype=np.int16))
     for _ in range(5):
-        t = time.perf_counter()
-        np.copyto(dst, raw)
-        memcpy.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        np.matmul(a, b, out=out)
-        gemm.append(time.perf_counter() - t)
-    return {"build_s": build_s, "times": times, "l2_hits": l2_hits,
-            "memcpy": statistics.median(memcpy), "gemm": statistics.median(gemm)}
+        yard.time_round()
+    memcpy, gemm = yard.medians()
+    return {"build_s": build_s, "times": times, "l2_hits": l2_hits, "memcpy": memcpy, "gemm": gemm}
 
 
 def _worker(role: str, base: str, serde: dict, warm: int, cache_dir: str) -> dict:

@@ -25,3 +25,36 @@ def best_wall_and_cpu(fn, reps: int = 3) -> tuple[float, float]:
 def best_of(fn, reps: int = 3) -> float:
     """Wall milliseconds of the fastest of ``reps`` calls (:func:`best_wall_and_cpu`)."""
     return best_wall_and_cpu(fn, reps)[0]
+
+
+class Yardsticks:
+    """The CPU yardsticks results are stated against, sized to ``raw`` (the raw bytes of
+    the workload): a memcpy of ``raw`` into a preallocated buffer, and the float32
+    ``(n,128)@(128,128)`` GEMM over as many coordinates, which every exact v1 coder runs.
+    :meth:`time_round` times one of each (call it between the workload's own rounds, so
+    both see the same machine); :meth:`medians` gives ``(memcpy s, GEMM s)``."""
+
+    def __init__(self, raw) -> None:
+        import numpy as np
+
+        self.raw, self.dst = raw, np.empty_like(raw)
+        self.a = np.random.default_rng(1).standard_normal((raw.size // 128, 128)).astype(np.float32)
+        self.b = np.random.default_rng(2).standard_normal((128, 128)).astype(np.float32)
+        self.out = np.empty_like(self.a)
+        self.memcpy: list[float] = []
+        self.gemm: list[float] = []
+
+    def time_round(self) -> None:
+        import numpy as np
+
+        t = time.perf_counter()
+        np.copyto(self.dst, self.raw)
+        self.memcpy.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        np.matmul(self.a, self.b, out=self.out)
+        self.gemm.append(time.perf_counter() - t)
+
+    def medians(self) -> tuple[float, float]:
+        import statistics
+
+        return statistics.median(self.memcpy), statistics.median(self.gemm)
