@@ -511,7 +511,9 @@ class TQJaxDeserializer(Deserializer):
         for g, t in enumerate(tensors):  # every header first: nothing is decoded from a refused value
             if t.dtype not in _TORCH_DTYPE_NAMES:
                 raise ValueError(DST_NOT_FLOAT.format(group=g, dtype=t.dtype))
-            h = tq_jax.peek_header(buf[off:])
+            # The decode below verifies a blob's CRC32 before writing its group; only the
+            # groups after the first need it here, before group 0 is written.
+            h = tq_jax.peek_header(buf[off:], verify=g > 0)
             if self.bind_key and not h.checksum:
                 raise KeyMismatchError(NOT_CHECKSUMMED.format(key=describe_key(key), group=g))
             n = _blob_nbytes(h)

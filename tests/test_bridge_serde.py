@@ -193,6 +193,28 @@ def test_multi_group_round_trip():
         assert mean_cosine(src.get_tensor(i), out.get_tensor(i), 64) >= 0.994
 
 
+@pytest.mark.parametrize("shapes", [[(2, 2, 16, 256)], [(2, 2, 16, 256), (1, 2, 16, 256)]], ids=["one group", "two groups"])
+def test_a_damaged_checksummed_value_is_refused_before_any_group_is_written(shapes):
+    # The CRC of the last group's blob is damaged: nothing of any group reaches dst.
+    dtypes = [BF16] * len(shapes)
+    src = make_obj(shapes, dtypes)
+    for i, s in enumerate(shapes):
+        src.get_tensor(i).copy_(torch.randn(s).to(BF16))
+    ser, de = S.TQJaxSerializer(head_dim=64, bits=4, checksum=True), S.TQJaxDeserializer()
+    n = ser.estimate_serialized_size(layout(shapes, dtypes))
+    buf = byte_obj(n)
+    ser.serialize(src, buf, key(0))
+    last = S.plan_layout(layout(shapes, dtypes), 64, 4)[-1]
+    raw = buf.tensor.numpy()
+    raw[n - last.nbytes + last.nbytes // 2] ^= 0x10  # inside the last blob's index section
+    out = make_obj(shapes, dtypes)
+    for i in range(len(shapes)):
+        out.get_tensor(i).fill_(7)
+    with pytest.raises(tq_jax.WireError, match="CRC32"):
+        de.deserialize(buf, out, key(0))
+    assert all(bool((out.get_tensor(i) == 7).all()) for i in range(len(shapes)))
+
+
 def test_src_longer_than_blob_is_read_by_header_length():
     shape = (2, 2, 8, 256)
     src = kv(shape)

@@ -241,10 +241,12 @@ def unpack_groups(packed: UInt8[Array, "*batch nbytes"], bits: int, n: int) -> U
     ``G = plane_count(bits)``: ``out[..., k, i]`` is index ``k*G + i`` (natural order).
 
     Each group's ``G*bits/8`` bytes (1 to 7) are read as one or two little-endian
-    uint32 words, and lane ``i`` shifts its index out of them by a constant amount.
-    Shifts of 32 or more give 0 in XLA, which drops the word a lane does not
-    overlap. One element-wise loop, vectorized across the lanes; the output is in
-    natural order, so it needs no transpose back from planes.
+    uint32 words. Within one word (1, 2, 3, 4, 6 and 8 bits) lane ``i`` shifts its
+    index out by a constant vector across the lanes; across two words (5 and 7 bits) each lane is its own element-wise loop with
+    scalar shifts from only the words it overlaps, which XLA's CPU backend fuses
+    with the codebook lookup (the timing behind the split:
+    benchmarks/results/design_notes.md). The output is in natural order, so it needs
+    no transpose back from planes.
 
     Args:
         packed: uint8 ``(..., n*bits/8)`` byte-aligned rows.
@@ -258,18 +260,24 @@ def unpack_groups(packed: UInt8[Array, "*batch nbytes"], bits: int, n: int) -> U
     g = _check_rows("unpack_groups", packed.shape, bits, n)
     per_group = g * bits // 8
     v = packed.reshape(*packed.shape[:-1], n // g, per_group).astype(jnp.uint32)
-    starts = np.arange(g) * bits  # lane i's first bit in the group
-    out = None
+    words = []
     for k in range(-(-per_group // 4)):
         word = v[..., 4 * k]
         for j in range(4 * k + 1, min(4 * k + 4, per_group)):
             word = word | (v[..., j] << jnp.uint32(8 * (j - 4 * k)))
-        rel = starts - 32 * k  # the lane's first bit relative to this word
-        right = np.where((rel >= 0) & (rel < 32), rel, 32).astype(np.uint32)
-        left = np.where((rel < 0) & (rel > -32), -rel, 32).astype(np.uint32)
-        piece = word[..., None] >> jnp.asarray(right)  # unsigned: logical
-        if (left < 32).any():
-            piece = piece | (word[..., None] << jnp.asarray(left))
-        out = piece if out is None else out | piece
-    return out & jnp.uint32((1 << bits) - 1)
+        words.append(word)
+    if len(words) > 1:
+        return jnp.stack([_lane(words, i * bits, bits) for i in range(g)], axis=-1)
+    starts = np.arange(g) * bits  # lane i's first bit in the group (< 32)
+    piece = words[0][..., None] >> jnp.asarray(starts.astype(np.uint32))  # unsigned: logical
+    return piece & jnp.uint32((1 << bits) - 1)
+
+
+def _lane(words, start: int, bits: int):
+    """The ``bits``-bit index starting at bit ``start`` of the little-endian ``words``."""
+    k, r = divmod(start, 32)
+    x = words[k] >> jnp.uint32(r) if r else words[k]
+    if r + bits > 32:
+        x = x | (words[k + 1] << jnp.uint32(32 - r))
+    return x & jnp.uint32((1 << bits) - 1)
 

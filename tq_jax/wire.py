@@ -985,17 +985,19 @@ def field_offsets(blob):
     return f, lengths, h.checksum
 
 
-def peek_header(blob) -> Header:
+def peek_header(blob, *, verify: bool = True) -> Header:
     """Parse only the header (for ``inspect``-style tools and size checks).
 
     ``blob`` may hold more than the blob it starts with (blobs back to back, or a
     buffer sized for another layout: the rest is ignored) or only its first bytes.
     A version-2 checksum is verified when ``blob`` holds the whole blob, whose length
-    follows from the header; :func:`parse` always verifies it.
+    follows from the header, unless ``verify`` is False (a caller that hands the blob
+    to :func:`parse`, ``loads`` or ``load_into`` next, which always verify it before
+    decoding anything, need not pay for the CRC twice).
     """
     mv = _as_memoryview(blob)
     h = _read_header(_Reader(mv), verify=False)
-    if h.checksum:
+    if h.checksum and verify:
         n = blob_nbytes(h)
         if len(mv) >= n:
             _verify_checksum(_Reader(mv[:n]))
