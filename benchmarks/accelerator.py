@@ -251,7 +251,7 @@ def check_codec(dev) -> list:
     x = np.random.default_rng(0).standard_normal((2, 2, 40, 8, 128), np.float32).astype(jnp.bfloat16)
     xd = jax.device_put(x, dev)
     for name, kw in CODEC_OPTIONS:
-        opts = tq_jax.Options.make(**kw)
+        opts = tq_jax.encode_options(**kw)
         host = tq_jax.dumps(x, options=opts)
         on_dev = tq_jax.dumps(xd, options=opts)
         same = host == on_dev
@@ -350,7 +350,7 @@ def step_codec(dev, sizes: Sizes, table: list):
             table.append(("2 codec", case, what + extra, ms, gibs(nbytes, ms), ms / copy_ms, None))
 
         for name, kw in CODEC_OPTIONS:
-            opts = tq_jax.Options.make(**kw)
+            opts = tq_jax.encode_options(**kw)
             case = f"{shape_name} {name}"
             with executor("program", dev):
                 blob = tq_jax.dumps(xd, options=opts)

@@ -69,7 +69,7 @@ def cases(dev):
         "memcpy of W1 (host)": lambda: np.copyto(buf, x),
         "host round trip of W1 (device_get + device_put)": lambda: jax.device_put(jax.device_get(xd), dev),
     }
-    for name, opts in (("v1 4-bit", tq_jax.Options.make(4)), ("turbo-3.5", tq_jax.Options.make(**tq_jax.PRESETS["turbo-3.5"]))):
+    for name, opts in (("v1 4-bit", tq_jax.encode_options(bits=4)), ("turbo-3.5", tq_jax.encode_options("turbo-3.5"))):
         b = tq_jax.dumps(x, options=opts)
         assert forced(True)(lambda: tq_jax.dumps(xd, options=opts))() == b
         out[f"{name} dumps(numpy)"] = lambda opts=opts: tq_jax.dumps(x, options=opts, device=dev)

@@ -172,7 +172,7 @@ def created_message(o: SerdeOptions, options: tq_jax.Options, device, *, paired:
 
     Examples:
         >>> o = parse_options({})
-        >>> created_message(o, tq_jax.Options.make(4, norm_dtype="float16"), "cpu:0")[:64]
+        >>> created_message(o, tq_jax.encode_options(bits=4, norm_dtype="float16"), "cpu:0")[:64]
         'tq_jax serde created: TQJaxSerializer/TQJaxDeserializer writing '
     """
     version = 1 if options.v1_expressible else 2

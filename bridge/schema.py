@@ -418,7 +418,7 @@ def codec_options_for(*, head_dim: int, bits: int, seed: int, **options) -> tq_j
     check_values({"head_dim": head_dim, "bits": bits, "seed": seed, **options})
     given = {o.name: o.default for o in OPTIONS if o.name in codec and o.default is not None}
     given.update(options)
-    return tq_jax.Options.make(bits, seed=seed, **{k: v for k, v in given.items() if v is not None})
+    return tq_jax.encode_options(bits=bits, seed=seed, **{k: v for k, v in given.items() if v is not None})
 
 
 def parse_options(kwargs: Mapping[str, object]) -> SerdeOptions:
@@ -469,14 +469,14 @@ def parse_options(kwargs: Mapping[str, object]) -> SerdeOptions:
     if not values["checksum"] and _is_v1(values):
         values["format"] = "v1"  # `checksum: false` with the reference's settings: what is written is v1
     o = SerdeOptions(**values)
-    tq_jax.Options.make(o.bits, seed=o.seed, **o.codec_options())  # the combination is valid
+    tq_jax.encode_options(bits=o.bits, seed=o.seed, **o.codec_options())  # the combination is valid
     return o
 
 
 def _is_v1(values: Mapping) -> bool:
     """Whether the codec settings in ``values`` (checksum aside) are version 1's."""
     codec = {k: v for k, v in values.items() if k in SerdeOptions._CODEC_NAMES and v is not None and k != "checksum"}
-    return tq_jax.Options.make(values.get("bits", 4), **codec).v1_expressible
+    return tq_jax.encode_options(bits=values.get("bits", 4), **codec).v1_expressible
 
 
 def _v2_settings(o) -> str:

@@ -222,7 +222,7 @@ def plan_layout(layout: MemoryLayoutDesc, head_dim: int, options, kv_layout: str
 def _options_of(options) -> tq_jax.Options:
     if isinstance(options, tq_jax.Options):
         return options
-    return tq_jax.Options.make(options, norm_dtype="float16")
+    return tq_jax.encode_options(bits=options, norm_dtype="float16")
 
 
 def _group_tensors(obj: MemoryObj) -> list[torch.Tensor]:
@@ -457,7 +457,7 @@ class TQJaxSerializer(Serializer):
             else:
                 x = dlpack.to_jax(t)  # stays on its accelerator
             x = layouts.to_stored(x, p.form, p.kv_order)  # a view, or K/V order read once by the encoder
-            n = tq_jax.dump_into(x, out[off : off + p.nbytes], self.options, device=self.device)
+            n = tq_jax.dump_into(x, out[off : off + p.nbytes], options=self.options, device=self.device)
             if n != p.nbytes:  # the core promises serialized_size; keep LMCache's fs contract safe
                 raise RuntimeError(f"tq_jax.dump_into wrote {n} bytes for group {g}, expected {p.nbytes}")
             off += n

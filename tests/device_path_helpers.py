@@ -12,8 +12,8 @@ def options_from(kw):
     """``tq_jax.Options`` from a case's keyword fields; ``preset`` names a preset to start from."""
     kw = dict(kw)
     if "preset" in kw:
-        return tq_jax.Options.make(**tq_jax.PRESETS[kw.pop("preset")], **kw)
-    return tq_jax.Options.make(**kw)
+        return tq_jax.encode_options(**tq_jax.PRESETS[kw.pop("preset")], **kw)
+    return tq_jax.encode_options(**kw)
 
 
 def random_input(shape, dtype, seed=0):

@@ -173,6 +173,6 @@ def test_docs_sample_log_line_is_the_line_logged():
     register()
     sample = re.search(r"\[\.\.\.\] tq_jax INFO: (tq_jax serde created: .*?)\n```", _doc("docs", "bridge.md"), re.S)
     o = registry.parse_options({"head_dim": 128})
-    options = tq_jax.Options.make(o.bits, seed=o.seed, **o.codec_options())
+    options = tq_jax.encode_options(bits=o.bits, seed=o.seed, **o.codec_options())
     line = registry.created_message(o, options, "cpu:0", paired="vllm-cpu")
     assert " ".join(sample.group(1).split()) == line

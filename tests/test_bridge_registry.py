@@ -137,18 +137,18 @@ def test_no_format_option_writes_the_checksummed_default_preset():
         o = reg_mod.parse_options(cfg)
         assert (o.preset, o.format, o.checksum) == ("turbo-4", "v2", True), cfg
         ser, de = reg_mod.build_serde(o)
-        assert ser.options == tq_jax.Options.make(4, seed=o.seed, norm_dtype="float16", **tq_jax.PRESETS["turbo-4"])
+        assert ser.options == tq_jax.encode_options(bits=4, seed=o.seed, norm_dtype="float16", **tq_jax.PRESETS["turbo-4"])
         assert ser.bind_key and de.bind_key
     # The reference plugin's keys are read as before; naming bits makes them v2 with a checksum.
     ref_cfg = {"head_dim": 128, "bits": 4, "seed": 42, "use_qjl": False, "qjl_sketch_size": 64, "max_workers": 1}
     o = reg_mod.parse_options(ref_cfg)
     assert (o.head_dim, o.bits, o.seed, o.max_workers, o.preset, o.format, o.checksum) == (128, 4, 42, 1, None, "v2", True)
-    opts = tq_jax.Options.make(o.bits, seed=o.seed, **o.codec_options())
+    opts = tq_jax.encode_options(bits=o.bits, seed=o.seed, **o.codec_options())
     assert (opts.key_bits, opts.value_bits, opts.rotation, opts.checksum) == (4, 4, "haar", True)
 
 
 def test_v1_is_written_only_when_asked_for_by_name():
-    v1 = tq_jax.Options.make(4, norm_dtype="float16")
+    v1 = tq_jax.encode_options(bits=4, norm_dtype="float16")
     for cfg in ({"format": "v1"}, {"format": "v1", "bits": 4}, {"preset": "compat-4bit"}):
         o = reg_mod.parse_options(cfg)
         assert (o.format, o.checksum) == ("v1", False), cfg
@@ -220,10 +220,10 @@ def test_bad_values(kwargs, exc, match):
 def test_v2_options_and_presets():
     o = reg_mod.parse_options({"preset": "k4v3-edges", "value_bits": 2, "checksum": False})
     assert (o.key_bits, o.value_bits, o.skip_first_layers, o.rotation, o.checksum) == (4, 2, 2, "hadamard", False)
-    opts = tq_jax.Options.make(o.bits, seed=o.seed, **o.codec_options())
+    opts = tq_jax.encode_options(bits=o.bits, seed=o.seed, **o.codec_options())
     assert not opts.v1_expressible and opts.value_bits == 2
-    assert not tq_jax.Options.make(4, **reg_mod.parse_options({}).codec_options()).v1_expressible
-    assert tq_jax.Options.make(4, **reg_mod.parse_options({"format": "v1"}).codec_options()).v1_expressible
+    assert not tq_jax.encode_options(bits=4, **reg_mod.parse_options({}).codec_options()).v1_expressible
+    assert tq_jax.encode_options(bits=4, **reg_mod.parse_options({"format": "v1"}).codec_options()).v1_expressible
 
 
 def test_option_table_shape():

@@ -205,7 +205,7 @@ def test_bits_error_names_the_argument_given():
         tq_jax.serialized_size((2, HD), "float32", 9)
     with pytest.raises(ValueError, match=r"^`value_bits` must be"):
         tq_jax.dumps(x, bits=4, value_bits=0)
-    assert tq_jax.Options.make(3) == tq_jax.Options(3, 3)
+    assert tq_jax.encode_options(bits=3) == tq_jax.Options(3, 3)
 
 
 def test_version(capsys):

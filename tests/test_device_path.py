@@ -184,17 +184,16 @@ def test_second_call_does_not_recompile(compiles, no_host_copy):
 
 def test_options_argument():
     x = random_input((3, 5, 64), "float32")
-    opts = tq_jax.Options.make(3, rotation="hadamard")
+    opts = tq_jax.encode_options(bits=3, rotation="hadamard")
     want = tq_jax.dumps(x, bits=3, rotation="hadamard")
     assert tq_jax.dumps(x, options=opts) == want
-    assert tq_jax.dumps(x, opts) == want  # an Options as `bits` keeps working
     assert tq_jax.serialized_size(x.shape, "float32", options=opts) == len(want)
     buf = bytearray(len(want))
     assert tq_jax.dump_into(x, buf, options=opts) == len(want) and bytes(buf) == want
     # bits and keyword fields override the Options, as they override a preset (tq_jax.encode_options)
     assert tq_jax.dumps(x, 4, options=opts) == tq_jax.dumps(x, bits=4, rotation="hadamard")
     assert tq_jax.dumps(x, options=opts, seed=1) == tq_jax.dumps(x, bits=3, rotation="hadamard", seed=1)
-    with pytest.raises(ValueError, match="pass the settings once"):
+    with pytest.raises(ValueError, match=r"`bits` is a width .* options=tq_jax\.Options"):
         tq_jax.dumps(x, opts, options=opts)
     with pytest.raises(ValueError, match="tq_jax.Options"):
         tq_jax.dumps(x, options={"bits": 3})
@@ -208,7 +207,7 @@ def test_four_host_devices_encode_and_decode_where_asked():
     devs = jax.devices()
     assert len(devs) == 4, devs
     x = np.random.default_rng(0).standard_normal((2, 4, 300, 2, 64), np.float32).astype(jnp.bfloat16)
-    opts = tq_jax.Options.make(**tq_jax.PRESETS["turbo-3.5"])
+    opts = tq_jax.encode_options("turbo-3.5")
     want = tq_jax.dumps(x, options=opts)
     resident.ON_CPU = True  # the accelerator path, on CPU devices
     seen = []

@@ -37,7 +37,7 @@ CASES = [
 ]
 
 
-IMPLS = ["xla", "pallas", "pallas_gpu"]  # the Pallas kernels run in interpret mode on CPU
+IMPLS = ["xla", "pallas_tpu", "pallas_gpu"]  # the Pallas kernels run in interpret mode on CPU
 
 
 # Quick tier: XLA on the first case and the Hadamard paged one (whose programs
@@ -95,7 +95,7 @@ def test_paged_pages_allocate_in_order_and_round_trip_page_by_page():
     q = rng.standard_normal((3, 5, 4 * H, D)).astype(np.float32)
     out = np.asarray(kvcache.attend(cache, q))
     assert not out[1, :2].any() and np.abs(out[1, 2:]).min(axis=-1).all()  # 3 tokens: 2 queries see none
-    pallas = np.asarray(kvcache.attend(cache, q, impl="pallas"))
+    pallas = np.asarray(kvcache.attend(cache, q, impl="pallas_tpu"))
     assert not pallas[1, :2].any()
     np.testing.assert_allclose(pallas, out, rtol=1e-5, atol=1e-5 * np.abs(out).max())
     fresh = kvcache.init(3, 48, H, D, key_bits=2, value_bits=3, rotation="haar", **kw)
@@ -283,6 +283,8 @@ def test_attend_rejects_bad_query_shapes(small):
         kvcache.attend(small, np.zeros((3, 1, 2, D), np.float32))
     with pytest.raises(ValueError, match="`impl` must be one of"):
         kvcache.attend(small, np.zeros((2, 1, 2, D), np.float32), impl="cuda")
+    with pytest.raises(ValueError, match="impl='pallas' was removed .* impl='pallas_tpu' .* impl='pallas_gpu'"):
+        kvcache.attend(small, np.zeros((2, 1, 2, D), np.float32), impl="pallas")
 
 
 def test_append_rejects_bad_shapes_and_lengths(small):

@@ -119,14 +119,14 @@ def test_kernel_lowers_to_triton_ir_for_cuda(kb, vb, rotation, page_size, group,
 
 def test_attend_exports_for_cuda_with_the_triton_kernel_from_this_cpu_host():
     """jax.export for platforms=["cuda"] on this CPU host: attend's program holds the Triton
-    kernel (the target's form, not the interpreter) for impl "pallas_gpu" and "pallas";
+    kernel (the target's form, not the interpreter) for impl "pallas_gpu";
     "auto" traced off a GPU host is the XLA loop (resolve_impl). Triton calls are not among
     export's stable custom calls (their IR is tied to the jax version), so the export names
     the check it waives."""
     cache = jax.eval_shape(lambda: kvcache.init(4, 512, 2, 128, key_bits=4, value_bits=3, page_size=16))
     q = jax.ShapeDtypeStruct((4, 1, 8, 128), jnp.bfloat16)
     triton = "__gpu$xla.gpu.triton"
-    for impl, kernels in (("pallas_gpu", 1), ("pallas", 1), ("auto", 0)):
+    for impl, kernels in (("pallas_gpu", 1), ("auto", 0)):
         exported = jax.export.export(
             jax.jit(lambda c, x, impl=impl: kvcache.attend(c, x, impl=impl)), platforms=["cuda"],
             disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)],
@@ -154,11 +154,9 @@ def test_auto_impl_is_the_gpu_kernel_on_a_gpu_when_head_dim_tiles(monkeypatch):
     tiles = kvcache.init(1, 16, 1, 64, key_bits=4, value_bits=3, window=0, sinks=0)
     odd = kvcache.init(1, 16, 1, 96, key_bits=4, value_bits=4, window=0, sinks=0)  # 48-wide lanes
     assert attention.resolve_impl(tiles, "auto") == "xla"  # this CPU
-    assert attention.resolve_impl(tiles, "pallas") == "pallas_tpu"
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert attention.resolve_impl(tiles, "auto") == "pallas_gpu"
     assert attention.resolve_impl(odd, "auto") == "xla"
-    assert attention.resolve_impl(tiles, "pallas") == "pallas_gpu"
     assert attention.resolve_impl(tiles, "xla") == "xla"
 
 

@@ -219,7 +219,7 @@ def test_a_new_boolean_option_reaches_the_bridge_with_no_other_edit(registry):
     cls = registry.serde_options_class(table, variant)
     o = cls(**registry.check_values({"foo": True, "bits": 3}, table))
     assert o.foo is True and o.codec_options()["foo"] is True
-    assert variant.make(o.bits, seed=o.seed, **o.codec_options()).foo is True
+    assert variant(o.bits, o.bits, seed=o.seed, **o.codec_options()).foo is True
     with pytest.raises(ValueError, match="TQ01 version 2 options: .*foo"):  # listed with the v2 options
         registry.check_values({"fooo": True}, table)
 

@@ -111,8 +111,8 @@ def test_a_change_of_options_reaches_both_executors_through_the_plan(monkeypatch
     changes nothing, and what the options said (Hadamard, K4V3, checksum, raw layers)
     is in both executors' bytes."""
     x = random_input((2, 4, 19, 2, 64), "bfloat16", 3)
-    plain = plan_mod.for_tensor(x.shape, "bfloat16", tq_jax.Options.make(4))
-    changed = plan_mod.for_tensor(x.shape, "bfloat16", tq_jax.Options.make(
+    plain = plan_mod.for_tensor(x.shape, "bfloat16", tq_jax.encode_options(bits=4))
+    changed = plan_mod.for_tensor(x.shape, "bfloat16", tq_jax.encode_options(
         key_bits=4, value_bits=3, rotation="hadamard", checksum=True, skip_last_layers=1))
 
     def poisoned(*a, **k):
@@ -177,7 +177,7 @@ def test_auto_norms_widen_and_float16_norms_refuse(on_device):
 def test_peak_temporary_memory_is_one_block_not_the_tensor():
     """XLA's own memory analysis of the compiled programs: the temporaries stay under
     temp_bound and do not grow with the tensor (4 blocks vs 32 blocks of 512 vectors)."""
-    opts = tq_jax.Options.make(**tq_jax.PRESETS["turbo-3.5"])
+    opts = tq_jax.encode_options("turbo-3.5")
     block = 512
     temps = {}
     for tokens in (64, 512):  # 2*4*tokens*2 vectors: 4 and 32 blocks
@@ -230,10 +230,10 @@ def test_too_large_for_the_program_takes_the_block_executor(monkeypatch):
 
 
 def test_plan_is_immutable_and_hashable():
-    plan = plan_mod.for_tensor((2, 4, 8, 64), "bfloat16", tq_jax.Options.make(4))
+    plan = plan_mod.for_tensor((2, 4, 8, 64), "bfloat16", tq_jax.encode_options(bits=4))
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.nbytes = 0
-    assert hash(plan) == hash(plan_mod.for_tensor((2, 4, 8, 64), "bfloat16", tq_jax.Options.make(4)))
+    assert hash(plan) == hash(plan_mod.for_tensor((2, 4, 8, 64), "bfloat16", tq_jax.encode_options(bits=4)))
     assert plan.overflow == "widen" and plan.widened.norm_dtype == "float32"
     # version 2: a longer header, 2 more bytes per norm, and the (empty) raw section's length
     grown = len(plan.widened.header_bytes) - len(plan.header_bytes) + 2 * plan.rows + 8

@@ -34,7 +34,6 @@ def _reference(x, name):
 def test_every_form_of_a_preset_is_the_same_options(name):
     want = tq_jax.Options(**tq_jax.PRESETS[name])
     assert tq_jax.encode_options(name) == want
-    assert tq_jax.encode_options(preset=name) == want
     assert tq_jax.encode_options(want) == want
     assert tq_jax.serialized_size(SHAPE, "float32", options=name) == want.serialized_size(SHAPE, "float32")
 
@@ -43,8 +42,6 @@ def test_dumps_forms_write_the_same_bytes():
     x = _kv()
     want = _reference(x, "turbo-4")
     assert tq_jax.dumps(x, options="turbo-4") == want
-    assert tq_jax.dumps(x, preset="turbo-4") == want
-    assert tq_jax.dumps(x, "turbo-4") == want
     assert tq_jax.dumps(x, options=tq_jax.Options(**tq_jax.PRESETS["turbo-4"])) == want
     buf = bytearray(tq_jax.serialized_size(x.shape, "float32", options="turbo-4"))
     assert tq_jax.dump_into(x, buf, options="turbo-4") == len(want) and bytes(buf) == want
@@ -58,8 +55,6 @@ def test_dumps_forms_write_the_same_bytes():
     (dict(bitz=4), r"unknown option `bitz`\. Did you mean `bits`\?.*presets \(options='\.\.\.'\): compat-4bit,.*turbo-4"),
     (dict(keybits=4, value_bits=4), r"unknown option `keybits`\. Did you mean `key_bits`\?"),
     (dict(options="turbo4"), r"`options` names no preset: 'turbo4'\. Did you mean 'turbo-4'\? Presets: compat-4bit"),
-    (dict(preset="turbo-9"), r"`preset` names no preset: 'turbo-9'\. Did you mean 'turbo-4'\?"),
-    (dict(options="turbo-4", preset="turbo-4"), r"pass the preset once"),
     (dict(options={"bits": 4}), r"`options` must be None, a preset name or a tq_jax\.Options, got dict"),
     (dict(), r"give `bits` .* or a preset \(options='turbo-4'; presets: compat-4bit"),
 ])
@@ -68,6 +63,18 @@ def test_a_wrong_setting_is_named_with_the_closest_valid_name_and_the_presets(kw
         tq_jax.dumps(_kv(), **kwargs)
     with pytest.raises(ValueError, match=match):
         tq_jax.serialized_size(SHAPE, "float32", **kwargs)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda x: tq_jax.dumps(x, preset="turbo-4"), r"`preset=` is not a Python keyword: write options='turbo-4'"),
+    (lambda x: tq_jax.encode_options(preset="turbo-3.5", seed=1), r"write options='turbo-3\.5'"),
+    (lambda x: tq_jax.dumps(x, "turbo-4"), r"`bits` is a width .* tq_jax\.dumps\(x, options='turbo-4'\)"),
+    (lambda x: tq_jax.serialized_size(x.shape, "float32", tq_jax.Options(4, 4)), r"options=tq_jax\.Options\(\.\.\.\)"),
+    (lambda x: tq_jax.Options.make(4), r"Options\.make was removed.*tq_jax\.encode_options\(bits=4"),
+])
+def test_a_removed_spelling_raises_showing_the_one_way(call, match):
+    with pytest.raises((ValueError, AttributeError), match=match):
+        call(_kv())
 
 
 @pytest.mark.parametrize("name", sweep(["turbo-4", "compat-4bit"]))

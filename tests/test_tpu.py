@@ -150,11 +150,11 @@ def test_a_cpu_export_loaded_from_its_bytes_runs_the_interpreter_bit_for_bit():
 def test_impl_on_a_tpu_pallas_is_the_kernel_and_auto_the_xla_loop():
     cache = _cache_shapes(128, 4, 16, True, (4, 4))
     args = _step_args(cache, 1, 4)
-    for impl, calls in (("pallas", [KERNEL]), ("pallas_tpu", [KERNEL]), ("auto", []), ("xla", [])):
+    for impl, calls in (("pallas_tpu", [KERNEL]), ("auto", []), ("xla", [])):
         assert _custom_calls(jax.export.export(_step(impl), platforms=["tpu"])(*args).mlir_module()) == calls, impl
-    # head_dim 96: the GPU kernel cannot tile it; "pallas" still lowers for a TPU (the GPU form is left out)
+    # head_dim 96: the GPU kernel cannot tile it; "pallas_tpu" still lowers for a TPU
     odd = _cache_shapes(96, 2, None, False, (4, 2))
-    exported = jax.export.export(_step("pallas"), platforms=["tpu"])(*_step_args(odd, 1, 2))
+    exported = jax.export.export(_step("pallas_tpu"), platforms=["tpu"])(*_step_args(odd, 1, 2))
     assert _custom_calls(exported.mlir_module()) == [KERNEL]
 
 

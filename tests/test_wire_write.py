@@ -220,7 +220,7 @@ def test_dumps_bytes_are_rebuilt_exactly_from_parsed_sections(dtype, kw):
     out = bytearray(len(blob))
     assert wire.write_into(ps, out) == len(blob) and bytes(out) == blob
     # the writer's own header (before parsing) is accepted and gives the same bytes
-    writer = tq_jax.Options.make(**kw).header(x.shape, dtype, norm_dtype=p.header.norm_dtype)
+    writer = tq_jax.encode_options(**kw).header(x.shape, dtype, norm_dtype=p.header.norm_dtype)
     assert _join(writer, wire.Sections.from_parsed(p)) == blob
 
 

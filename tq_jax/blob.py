@@ -199,13 +199,14 @@ def _encode(x, options: _options.Options, block_vectors, device):
 
 
 def _resolve(bits, options, kwargs: dict) -> _options.Options:
-    """The one :class:`~tq_jax.Options` of a call (:func:`tq_jax.options.encode_options`): ``options=``
-    (a preset name or an Options), an Options or a preset name passed as ``bits``, ``bits``, and keyword
-    fields overriding them."""
+    """The one :class:`~tq_jax.Options` of a call (:func:`tq_jax.options.encode_options`):
+    ``options=`` (a preset name or an Options) with ``bits`` and keyword fields on top."""
     if isinstance(bits, (_options.Options, str)):
-        if options is not None:
-            raise ValueError(f"pass the settings once: as `options=`, not also as `bits` (got {bits!r} and {options!r})")
-        bits, options = None, bits
+        said = f"{bits!r}" if isinstance(bits, str) else "tq_jax.Options(...)"
+        raise ValueError(
+            f"`bits` is a width (1..8), got {said}: settings go in `options=`, e.g. "
+            f"tq_jax.dumps(x, options={said}), with keywords such as bits= or seed= on top."
+        )
     return _options.encode_options(options, bits, **kwargs)
 
 
@@ -236,8 +237,8 @@ def dumps(x, bits=None, *, options=None, block_vectors: int | None = None, devic
     Args:
         x: numpy or jax array ``(..., head_dim)`` of bfloat16, float16 or float32. With
             per-group bits or raw layers: ``[2 (K, V) or 1, layers, ..., head_dim]``.
-        bits: bits per coordinate for every vector (an :class:`~tq_jax.Options` or a
-            preset name here is taken as ``options``).
+        bits: bits per coordinate for every vector (keys and values), on top of
+            ``options``.
         options: the starting settings: a preset name of :data:`tq_jax.PRESETS`
             (``"turbo-4"``) or a :class:`~tq_jax.Options`; ``bits`` and keyword fields
             override it (:func:`tq_jax.options.encode_options`, the front door every
@@ -251,8 +252,7 @@ def dumps(x, bits=None, *, options=None, block_vectors: int | None = None, devic
             the host.
         **kwargs: :class:`~tq_jax.Options` fields: ``seed`` (42), ``key_bits``,
             ``value_bits``, ``skip_first_layers``, ``skip_last_layers``, ``rotation``
-            ("haar"), ``norm_dtype`` ("auto"), ``norm_correction``, ``checksum``, ``norm_bits`` (0);
-            or ``preset="turbo-4"``, as ``options=``.
+            ("haar"), ``norm_dtype`` ("auto"), ``norm_correction``, ``checksum``, ``norm_bits`` (0).
 
     Returns:
         The blob.

@@ -198,17 +198,12 @@ class Options:
             )
 
     @classmethod
-    def make(cls, bits=None, *, key_bits=None, value_bits=None, **kwargs) -> "Options":
-        """Options from ``bits`` (both groups) and/or ``key_bits``/``value_bits``."""
-        if bits is not None and (key_bits is None or value_bits is None):  # named as the caller named it
-            bits = check_field(_FIELDS["key_bits"], bits, "bits")
-        kb = bits if key_bits is None else key_bits
-        vb = bits if value_bits is None else value_bits
-        if kb is None or vb is None:
-            raise ValueError(
-                "give `bits` (one width for everything) or both `key_bits` and `value_bits`."
-            )
-        return cls(kb, vb, **kwargs)
+    def make(cls, *args, **kwargs):
+        """Removed: raises, naming its replacement (:func:`encode_options`)."""
+        raise AttributeError(
+            "Options.make was removed; settings have one front door: tq_jax.encode_options(bits=4, ...) "
+            "(or options='turbo-4' with keyword overrides), or Options(key_bits=4, value_bits=4, ...)."
+        )
 
     @property
     def kv_layout(self) -> bool:
@@ -332,7 +327,7 @@ PRESETS = {
 
 
 # The words the settings front door takes besides the Options fields.
-_DOOR_WORDS = ("bits", "options", "preset")
+_DOOR_WORDS = ("bits", "options")
 
 
 def _preset(name: str, word: str) -> dict:
@@ -344,10 +339,11 @@ def _preset(name: str, word: str) -> dict:
     return dict(PRESETS[name])
 
 
-def encode_options(options=None, bits=None, *, preset: str | None = None, **fields) -> Options:
+def encode_options(options=None, bits=None, **fields) -> Options:
     """The one front door to the codec settings: what a caller said, as one validated :class:`Options`.
 
-    Every door takes the same forms and gives the same Options for them:
+    In Python there is one way to give settings: ``options=`` (a preset name or an
+    :class:`Options`) with keyword overrides (``bits=``, ``key_bits=`` ...) on top.
     :func:`tq_jax.dumps`, :func:`tq_jax.dump_into` and :func:`tq_jax.serialized_size`
     call this, :func:`tq_jax.kvcache.init` takes the same ``options``, and the
     ``tq-jax compress --preset`` flag and the LMCache serde's ``"preset"`` key expand
@@ -358,8 +354,6 @@ def encode_options(options=None, bits=None, *, preset: str | None = None, **fiel
             (``"turbo-4"``), or an :class:`Options`.
         bits: one width for both groups (keys and values); ``key_bits`` or
             ``value_bits`` given as well win for their group.
-        preset: a preset name, as the CLI's ``--preset`` and the bridge's ``"preset"``
-            say it (the same as ``options=name``; not both).
         **fields: :class:`Options` fields, each overriding the starting value.
 
     Returns:
@@ -367,8 +361,9 @@ def encode_options(options=None, bits=None, *, preset: str | None = None, **fiel
 
     Raises:
         ValueError: an unknown keyword (named, with the closest valid name and the
-            presets), an unknown preset, ``options`` of another type, both ``options``
-            and ``preset``, no bits for a group, or a value :class:`Options` refuses.
+            presets), an unknown preset, ``options`` of another type, the removed
+            ``preset=`` keyword (the message shows ``options=``), no bits for a group,
+            or a value :class:`Options` refuses.
 
     Examples:
         >>> encode_options("turbo-4") == Options(**PRESETS["turbo-4"])
@@ -376,6 +371,11 @@ def encode_options(options=None, bits=None, *, preset: str | None = None, **fiel
         >>> encode_options("turbo-4", seed=7).seed, encode_options(bits=3).value_bits
         (7, 3)
     """
+    if "preset" in fields:
+        raise ValueError(
+            f"`preset=` is not a Python keyword: write options={fields['preset']!r} (keywords such as bits= or "
+            f"seed= override it). The CLI's --preset and the LMCache serde's \"preset\" key keep the word."
+        )
     unknown = [k for k in fields if k not in _FIELDS]
     if unknown:
         valid = [*_DOOR_WORDS, *_FIELDS]
@@ -386,22 +386,17 @@ def encode_options(options=None, bits=None, *, preset: str | None = None, **fiel
             f"unknown option `{name}`{f' (and {unknown[1:]})' if unknown[1:] else ''}.{hint} The options are "
             f"{', '.join(valid)}; the presets (options='...'): {', '.join(sorted(PRESETS))}."
         )
-    if preset is not None:
-        if options is not None:
-            raise ValueError(f"pass the preset once: options={options!r} and preset={preset!r} both say where to "
-                             f"start. Use options={preset!r} alone and override fields with keywords.")
-        options = preset
     if options is None:
         base = {}
     elif isinstance(options, str):
-        base = _preset(options, "preset" if preset is not None else "options")
+        base = _preset(options, "options")
     elif isinstance(options, Options):
         base = dataclasses.asdict(options)
     else:
         raise ValueError(
             f"`options` must be None, a preset name or a tq_jax.Options, got {type(options).__name__}: "
             f"e.g. options='turbo-4' (presets: {', '.join(sorted(PRESETS))}), "
-            f"options=tq_jax.Options.make(4, ...), or the fields as keywords."
+            f"options=tq_jax.Options(key_bits=4, value_bits=4, ...), or the fields as keywords."
         )
     if bits is not None:  # named as the caller named it; key_bits/value_bits keywords win
         bits = check_field(_FIELDS["key_bits"], bits, "bits")

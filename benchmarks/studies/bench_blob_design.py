@@ -69,7 +69,7 @@ def main():
     x = np.random.default_rng(0).standard_normal(W1, np.float32).astype(jnp.bfloat16)
     timed = {}
     for rot in ("haar", "hadamard"):
-        opts = tq_jax.Options.make(4, rotation=rot)
+        opts = tq_jax.encode_options(bits=4, rotation=rot)
         b = tq_jax.dumps(x, options=opts)
         for coords in (1 << 19, 1 << 20):
             bv = coords // W1[-1]

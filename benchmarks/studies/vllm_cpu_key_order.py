@@ -31,9 +31,9 @@ from tq_jax.bridge import layouts
 
 LAYERS, BLOCK, CHUNK = 30, 128, 256
 SETTINGS = {
-    "v1 4-bit": tq_jax.Options.make(4, norm_dtype="float16"),
-    "turbo-4": tq_jax.Options.make(**tq_jax.PRESETS["turbo-4"]),
-    "turbo-3.5": tq_jax.Options.make(**tq_jax.PRESETS["turbo-3.5"]),
+    "v1 4-bit": tq_jax.encode_options(bits=4, norm_dtype="float16"),
+    "turbo-4": tq_jax.encode_options("turbo-4"),
+    "turbo-3.5": tq_jax.encode_options("turbo-3.5"),
 }
 
 

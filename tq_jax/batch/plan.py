@@ -322,7 +322,7 @@ def plan_compress(src, out: str, opts: CompressOptions, preset: str | None = Non
         units = []
         for s, e, cshape, local in _encode_chunks(bshape, itemsize, opts.chunk_bytes, options):
             try:
-                nb = tq_jax.serialized_size(cshape, st.DTYPES[info.dtype], local)
+                nb = tq_jax.serialized_size(cshape, st.DTYPES[info.dtype], options=local)
             except ValueError as err:  # options the tensor cannot carry (e.g. raw layers)
                 raise BatchError(
                     f"{src.path}: tensor {info.name!r} of shape {list(info.shape)}: {err} "

@@ -60,7 +60,7 @@ def produce(src, unit, devices, turn: int = 0) -> np.ndarray | bytes:
     if unit.kind == "encode":
         x = src.read(unit.name, unit.start, unit.stop).reshape(unit.shape)
         try:
-            blob = tq_jax.dumps(x, unit.options, device=devices)
+            blob = tq_jax.dumps(x, options=unit.options, device=devices)
         except tq_jax.NormOverflowError as e:
             raise BatchError(f"{where}: {e}") from None
         return blob

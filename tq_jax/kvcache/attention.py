@@ -19,9 +19,9 @@ if TYPE_CHECKING:  # annotations only; jaxtyping is not a runtime dependency
 
     from tq_jax.kvcache.pallas_gpu import Tuning
 
-__all__ = ["attend", "IMPLS", "resolve_impl", "forms", "coded_partial"]
+__all__ = ["attend", "IMPLS", "check_impl", "resolve_impl", "forms", "coded_partial"]
 
-IMPLS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu")
+IMPLS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
 
 NO_TRITON_FALLBACK = (
     "kvcache.attend(impl='auto') runs the XLA loop on this GPU: jax {version} has no Pallas Triton backend "
@@ -37,6 +37,21 @@ def _triton_available() -> bool:
     return pallas_gpu.available()
 
 
+def check_impl(impl) -> str:
+    """``impl`` if it is one of :data:`IMPLS`; a ValueError naming them otherwise (and the
+    kernel to name instead of the removed ``"pallas"``)."""
+    if impl == "pallas":
+        raise ValueError(
+            "impl='pallas' was removed (one name per kernel): write impl='pallas_tpu' for the Mosaic TPU kernel, "
+            "impl='pallas_gpu' for the Triton GPU kernel, or impl='auto'."
+        )
+    if impl not in IMPLS:
+        raise ValueError(
+            f"`impl` must be one of {IMPLS}, got {impl!r}: the XLA loop, or a Pallas kernel (docs/accelerator.md)."
+        )
+    return impl
+
+
 def resolve_impl(cache: KVCache, impl: str, platform: str | None = None) -> str:
     """The kernel ``impl`` names for this cache on ``platform`` (one of
     :data:`tq_jax.kvcache.target.PLATFORMS`, or ``"gpu"``; None: JAX's default backend).
@@ -49,8 +64,7 @@ def resolve_impl(cache: KVCache, impl: str, platform: str | None = None) -> str:
     GPU host: elsewhere it is the XLA loop for every platform, so a CPU or TPU program
     never traces the GPU kernel (its Pallas call does not trace under every transform a
     user applies, e.g. ``shard_map`` with ``check_vma``); name ``"pallas_gpu"`` to export
-    the kernel for a GPU from another host. ``"pallas"`` is the platform's Pallas kernel:
-    the GPU kernel on a GPU, the TPU kernel on a TPU and, interpreted, on a CPU.
+    the kernel for a GPU from another host.
     :func:`attend` resolves ``impl`` for every platform and stages the choices out
     (:func:`tq_jax.kvcache.target.staged`), so a program lowered for a platform holds
     that platform's kernel, whatever the host that traced it."""
@@ -66,8 +80,6 @@ def resolve_impl(cache: KVCache, impl: str, platform: str | None = None) -> str:
                 warnings.warn(NO_TRITON_FALLBACK.format(version=jax.__version__), RuntimeWarning, stacklevel=3)
             return "xla"
         return "pallas_gpu"
-    if impl == "pallas":
-        return "pallas_gpu" if gpu else "pallas_tpu"
     return impl
 
 
@@ -146,16 +158,14 @@ def attend(
         impl: ``"auto"`` (the default: the GPU kernel on a GPU, the XLA loop elsewhere;
             :func:`resolve_impl`), ``"xla"`` (a ``fori_loop`` over blocks of XLA ops),
             ``"pallas_gpu"`` (one Pallas/Triton kernel, ``tq_jax.kvcache.pallas_gpu``),
-            ``"pallas_tpu"`` (one Pallas/Mosaic kernel, ``tq_jax.kvcache.pallas_tpu``) or
-            ``"pallas"`` (the GPU kernel on a GPU, the TPU one elsewhere). Each is resolved
+            or ``"pallas_tpu"`` (one Pallas/Mosaic kernel, ``tq_jax.kvcache.pallas_tpu``). Each is resolved
             for the platform the program is lowered for, not the host that traces it
             (:mod:`tq_jax.kvcache.target`): a Pallas kernel is compiled for its accelerator
             and runs in the Pallas interpreter (correct but slow) on a CPU, and a program
             exported on a CPU for a TPU holds the Mosaic kernel. docs/accelerator.md and
             docs/tpu.md say which runs where and why.
         tuning: the GPU kernel's static knobs (:class:`tq_jax.kvcache.pallas_gpu.Tuning`),
-            used when the kernel runs (``impl`` ``"pallas_gpu"``, or ``"auto"``/``"pallas"``
-            resolving to it); None is its default, the float32-level ``mode="exact"``.
+            used when the kernel runs (``impl`` ``"pallas_gpu"``, or ``"auto"`` resolving to it); None is its default, the float32-level ``mode="exact"``.
             ``pallas_gpu.BF16_TUNING`` (``mode="bf16"``) has dense bf16 attention's
             accuracy instead. Refused with an ``impl`` that can never run the GPU kernel.
 
@@ -168,10 +178,7 @@ def attend(
         RuntimeError: ``impl="pallas_gpu"`` on a GPU whose jax has no Pallas Triton backend.
     """
     cfg = cache.config
-    if impl not in IMPLS:
-        raise ValueError(
-            f"`impl` must be one of {IMPLS}, got {impl!r}: the XLA loop, or a Pallas kernel (docs/accelerator.md)."
-        )
+    check_impl(impl)
     q = jnp.asarray(q) if not isinstance(q, jax.Array) else q
     batch, heads = cache.lengths.shape[0], cache.k_codes.shape[2]
     if q.ndim != 4 or q.shape[0] != batch or q.shape[1] < 1:

@@ -246,8 +246,7 @@ def attend(pool: Pool, q, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scal
         ValueError: shapes that do not fit the pool or each other, an unknown ``impl``.
     """
     cfg = pool.config
-    if impl not in IMPLS:
-        raise ValueError(f"`impl` must be one of {IMPLS}, got {impl!r}: the XLA loop, or a Pallas kernel.")
+    _attention.check_impl(impl)
     q = jnp.asarray(q) if not isinstance(q, jax.Array) else q
     heads = pool.k_codes.shape[2]  # local heads under shard_map
     if q.ndim != 3 or q.shape[2] != cfg.head_dim or q.shape[1] % heads:
