@@ -18,12 +18,12 @@ Steps:
    kernel) equals dense float64 attention over the decoded blob. Stops on a failure.
 2. the codec on the device (W1 and a 1 GiB tensor; v1 4-bit, turbo-3.5, Hadamard v2
    4-bit), in GiB/s of the bf16 tensor beside a device-to-device copy of the same bytes:
-   the device program alone (``tq_jax.program``: the blob in device memory, no host
+   the device program alone (``tq_jax._src.program``: the blob in device memory, no host
    transfer, both ways); the host-link floor (the blob's bytes alone, each way); the full
    ``dumps(jax.Array)`` / ``loads(device=d)`` with the program and with the per-block
-   executor it replaced (``[blocks]``, ``tq_jax.resident.EXECUTOR``), so that one run
+   executor it replaced (``[blocks]``, ``tq_jax._src.resident.EXECUTOR``), so that one run
    measures before and after; and the LMCache bridge's data path, ``dump_into`` /
-   ``load_into`` of a host chunk with ``device=d`` (what ``bridge/serde.py`` calls), in
+   ``load_into`` of a host chunk with ``device=d`` (what ``bridge/_src/serde.py`` calls), in
    GB/s of raw KV. The full rows give their share of the host-link floor's throughput.
 3. the GPU kernel's bf16 mode checked against its accuracy bound on the device (relative
    RMS error at most 1.5x ``jax.nn.dot_product_attention``'s over the same K/V in bf16),
@@ -69,7 +69,7 @@ import numpy as np
 
 import tq_jax
 from tq_jax import kvcache
-from tq_jax.kvcache import pallas_gpu
+from tq_jax._src.kvcache import pallas_gpu
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = float(1 << 30)
@@ -310,9 +310,9 @@ def step_correctness(dev, sizes: Sizes, keep_going: bool) -> list:
 
 @contextlib.contextmanager
 def executor(name: str, dev):
-    """Run the codec's device path with executor ``name`` (``tq_jax.resident.EXECUTORS``:
+    """Run the codec's device path with executor ``name`` (``tq_jax._src.resident.EXECUTORS``:
     the compiled program, or the per-block dispatch it replaced), on CPU devices too."""
-    from tq_jax import resident
+    from tq_jax._src import resident
 
     old = resident.EXECUTOR, resident.ON_CPU
     resident.EXECUTOR, resident.ON_CPU = name, dev.platform == "cpu" or resident.ON_CPU
@@ -325,8 +325,8 @@ def executor(name: str, dev):
 def step_codec(dev, sizes: Sizes, table: list):
     """Codec rows (see the module docstring): the device program alone, the full
     dumps/loads of each executor, the host-link floor, and the bridge's data path."""
-    from tq_jax import plan as tq_plan
-    from tq_jax import program
+    from tq_jax._src import plan as tq_plan
+    from tq_jax._src import program
 
     copy = jax.jit(jnp.copy)
     for shape_name, shape in sizes.codec:
@@ -372,9 +372,9 @@ def step_codec(dev, sizes: Sizes, table: list):
             coded = ()
             if plan.norm_bits:
                 p = tq_jax.parse(blob)
-                coded = tuple(jax.device_put(tq_jax.norms.decode_log_norms(c.ranges, c.codes, c.bits, c.count), dev)
+                coded = tuple(jax.device_put(tq_jax._src.norms.decode_log_norms(c.ranges, c.codes, c.bits, c.count), dev)
                               for c in p.norms)
-            tables = tuple(tq_jax.codec.device_tables(sg.config, dev) for sg in plan.segments)
+            tables = tuple(tq_jax._src.codec.device_tables(sg.config, dev) for sg in plan.segments)
             dec = program.decoder(plan, block, dev, jnp.dtype(jnp.bfloat16))
             ms = median_ms(lambda: dec(blob_dev, coded, tables), sizes.reps)
             row(case, "device program decode (blob already in device memory)", ms)
@@ -393,7 +393,7 @@ def step_codec(dev, sizes: Sizes, table: list):
                     row(case, f"dumps(jax.Array) [{ex}]", ms, down)
                     ms = median_ms(lambda: tq_jax.loads(blob, device=dev), reps)
                     row(case, f"loads(device=d) [{ex}]", ms, up)
-                    # the bridge's data path (bridge/serde.py): an L1 chunk in host memory in, bytes out
+                    # the bridge's data path (bridge/_src/serde.py): an L1 chunk in host memory in, bytes out
                     ms = median_ms(lambda: tq_jax.dump_into(xh, out, options=opts, device=dev), reps)
                     row(case, f"bridge encode: dump_into(host chunk, device=d) [{ex}], {nbytes / ms / 1e6:.1f} GB/s of KV",
                         ms, raw_up + down)  # floor: the chunk up, the blob down

@@ -26,13 +26,13 @@ import time
 
 import numpy as np
 
-from tq_jax.batch import DEFAULT_CHUNK_BYTES
+from tq_jax._src.batch import DEFAULT_CHUNK_BYTES
 
 
 def make_file(path: str, gib: float, seed: int = 0) -> int:
     import jax.numpy as jnp
 
-    from tq_jax import safetensors_io as st
+    from tq_jax._src import safetensors_io as st
 
     tokens = max(8, int(round(gib * 2**30 / (2 * 32 * 8 * 128 * 2))))
     shape = (2, 32, tokens, 8, 128)

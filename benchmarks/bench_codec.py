@@ -1,6 +1,6 @@
 """The README's codec table: tq_jax vs the reference plugin vs memcpy on one LMCache chunk (W1), in one process.
 
-A front end over ``tq_jax.bench``, the measuring code ``tq-jax bench`` runs; it picks
+A front end over ``tq_jax._src.bench``, the measuring code ``tq-jax bench`` runs; it picks
 the workload and the report. W1 = [2, 32, 256, 8, 128] bfloat16 Gaussian (LLaMA-3-8B,
 256 tokens, per head): 33.5 MB. For each bit width: blob bytes, mean per-vector cosine,
 encode/decode median ms and MB/s (of the bf16 input) after warm-up, peak extra resident
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import jax
 
-from tq_jax import bench
+from tq_jax._src import bench
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICK_W1 = (2, 32, 32, 8, 128)  # W1 with 32 tokens

@@ -10,7 +10,7 @@ Paths:
 - host: the pipelined host path (numpy input; ``loads`` into an aligned host buffer).
 - device path [program]: one compiled program per blob writes the whole blob on the
   device and only its bytes come back; ``loads(device=d)`` is its mirror
-  (``tq_jax.program``). This is what an accelerator takes; on the CPU backend it is
+  (``tq_jax._src.program``). This is what an accelerator takes; on the CPU backend it is
   forced here (``resident.ON_CPU``).
 - device path [blocks]: the per-block dispatch the program replaced (a jax.Array cut
   into blocks on its device, each block its own kernel call; decode assembles the
@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import tq_jax
-from tq_jax import blocks
-from tq_jax import resident as resident_mod
+from tq_jax._src import blocks
+from tq_jax._src import resident as resident_mod
 from timing import best_of
 
 W1 = (2, 32, 256, 8, 128)

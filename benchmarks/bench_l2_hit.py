@@ -34,7 +34,7 @@ from lmcache.v1.memory_management import TensorMemoryObj  # noqa: E402
 
 from benchmarks.bench_lmcache import make_obj  # noqa: E402 (aligned MemoryObjs, as L1 hands them out)
 from benchmarks.timing import Yardsticks  # noqa: E402
-from tq_jax.bridge import registry  # noqa: E402
+from tq_jax.bridge._src import registry  # noqa: E402
 
 CHUNK = (30, 256, 384)  # SmolLM2-135M on vLLM's CPU backend: [L, T, H*2*D], H=3, D=64
 CHUNKS = 15

@@ -57,7 +57,7 @@ def _keys():
 
 
 def _manager(base: str, serde: dict):
-    from tq_jax.bridge import registry
+    from tq_jax.bridge._src import registry
     from tq_jax.bridge.smoke import build_manager
 
     registry.register()
@@ -101,7 +101,7 @@ class SerdeClock:
     def __init__(self) -> None:
         import threading
 
-        from tq_jax.bridge import serde as S
+        from tq_jax.bridge._src import serde as S
 
         self.lock, self.seconds, self.faults = threading.Lock(), 0.0, 0
         inner = S.TQJaxDeserializer.decode_from

@@ -16,7 +16,7 @@ Serdes compared:
   runs here with a key-adding shim. Its 8-bit encode materialises a (..., 128, 256)
   float32 tensor (~35 GB on W1), so 8 bits is skipped.
 
-Also the DLPack cost of handing a W1 chunk to JAX (:mod:`tq_jax.bridge.dlpack`):
+Also the DLPack cost of handing a W1 chunk to JAX (:mod:`tq_jax.bridge._src.dlpack`):
 aliasing an aligned tensor vs the explicit copy of a misaligned one, with ``clone()``
 (a plain memcpy) for scale.
 
@@ -49,7 +49,8 @@ from lmcache.v1.distributed.serde import (  # noqa: E402
 from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj  # noqa: E402
 
 import tq_jax  # noqa: E402
-from tq_jax.bridge import dlpack, register  # noqa: E402
+from tq_jax.bridge._src import dlpack  # noqa: E402
+from tq_jax.bridge import register  # noqa: E402
 
 W1 = (2, 32, 256, 1024)
 QUICK = (2, 8, 256, 1024)

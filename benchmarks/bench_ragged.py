@@ -1,4 +1,4 @@
-"""Ragged paged attention over codes (``tq_jax.kvcache.ragged``) vs dense bf16 attention.
+"""Ragged paged attention over codes (``tq_jax._src.kvcache.ragged``) vs dense bf16 attention.
 
 One mixed step as a serving engine runs it: ``S`` sequences of ``T`` tokens of context
 each, of which one is prefilling a chunk of ``Q`` tokens (its last ``Q`` positions) and
@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tq_jax.kvcache import ragged
+from tq_jax._src.kvcache import ragged
 
 H, G, D, PAGE = 8, 4, 128, 16
 

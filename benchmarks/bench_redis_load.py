@@ -6,7 +6,7 @@ all of them alike); each configuration gets ``--seconds`` in all. In a run,
 ``--threads`` threads store and load chunks against one ``redis-server`` (started here on a free 127.0.0.1 port, persistence off,
 stopped at the end). Each thread owns distinct keys and also writes and reads a shared
 pool of overlapping keys. A store is ``serialize`` (the serializer LMCache would get
-from the serde dict, :func:`tq_jax.bridge.registry.build_serde`) + ``SET``; a load is
+from the serde dict, :func:`tq_jax.bridge._src.registry.build_serde`) + ``SET``; a load is
 ``GET`` + ``deserialize`` into a fresh chunk, and *every* load is compared bit for bit
 with the decode of the value stored for that key's chunk (its TQ01 blob decoded
 offline): any difference counts as a wrong tensor. The baseline ``raw`` stores the
@@ -27,8 +27,8 @@ thread), not LMCache's C++ client: the serde's cost is what differs between the 
 Each round also times, on one thread with no load running, the steps of one value:
 the serde's encode (``serialize``) and decode (``deserialize``) of a chunk with
 ``turbo-3.5``, and the seal and open of its TQ01 blob: ``TQS1`` as the serde did it
-before (the tenant's key, a fresh nonce), ``TQS2`` exactly as :mod:`tq_jax.bridge.seal`
-does it now (its :class:`~tq_jax.bridge.seal.KeyRing`: HKDF-Expand of a value key, then
+before (the tenant's key, a fresh nonce), ``TQS2`` exactly as :mod:`tq_jax.bridge._src.seal`
+does it now (its :class:`~tq_jax.bridge._src.seal.KeyRing`: HKDF-Expand of a value key, then
 AES-GCM), ``TQS2`` opened by a ring whose *second* key sealed it (during a key
 rotation), and AES-GCM-SIV (``cryptography``'s ``AESGCMSIV``, the candidate not chosen)
 with a fresh nonce under the tenant key; the ObjectKey is the associated data in each.
@@ -55,10 +55,10 @@ import torch
 from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
 from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj
 
-from tq_jax.bridge import dlpack, registry, seal
-from tq_jax.frames import KEY_TRAILER_BYTES
-from tq_jax.bridge.seal import FIELD_BYTES, HEADER_BYTES, OVERHEAD, TAG_BYTES
-from tq_jax.bridge.serde import describe_key, object_key_bytes, write_bytes
+from tq_jax.bridge._src import dlpack, registry, seal
+from tq_jax._src.frames import KEY_TRAILER_BYTES
+from tq_jax.bridge._src.seal import FIELD_BYTES, HEADER_BYTES, OVERHEAD, TAG_BYTES
+from tq_jax.bridge._src.serde import describe_key, object_key_bytes, write_bytes
 
 SHAPE = (2, 8, 256, 1024)  # 8 MiB of bf16 per chunk (a quarter of an 8B model's 32 layers)
 N_CONTENTS = 8  # distinct chunk contents; key i holds content i % N_CONTENTS
@@ -231,8 +231,8 @@ PAIRS = {"TQS1 (before)": (1, 2), "TQS2": (3, 4), "TQS2, 2nd key of the ring": (
 
 def time_steps(plain: Config, sealed: Config, content, reps: int, master: bytes) -> dict[str, list[float]]:
     """Seconds per call of each of :data:`STEPS` on one value, ``reps`` times each,
-    interleaved; TQS2's seal and open with :class:`~tq_jax.bridge.seal.KeyRing` as
-    :mod:`tq_jax.bridge.seal` does them."""
+    interleaved; TQS2's seal and open with :class:`~tq_jax.bridge._src.seal.KeyRing` as
+    :mod:`tq_jax.bridge._src.seal` does them."""
     from cryptography.exceptions import InvalidTag
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM, AESGCMSIV
 

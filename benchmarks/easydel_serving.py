@@ -188,7 +188,7 @@ def variants(base, max_seqs: int) -> dict:
 def bytes_per_token(cache) -> tuple[float, float]:
     """(bytes per token, all layers; exact-copy bytes per sequence, all layers) of an engine's cache."""
     from tq_jax.adapters import easydel as tq_easydel
-    from tq_jax.kvcache import ragged
+    from tq_jax._src.kvcache import ragged
 
     per_token = per_seq = 0.0
     for view in cache.views:

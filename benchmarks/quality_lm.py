@@ -151,13 +151,13 @@ class Side:
 
 
 def _rot(dim):
-    from tq_jax import rotation
+    from tq_jax._src import rotation
 
     return rotation.structured_rotation(dim, SEED).dense().astype(np.float32)
 
 
 def _cb(dim, bits):
-    from tq_jax import codebook
+    from tq_jax._src import codebook
 
     return codebook.lloyd_max(dim, bits)
 
@@ -190,7 +190,7 @@ def _norms(n, how):
 
 def _alloc(energy, avg, span, dim):
     """Integer widths per unit (flat) with mean ``avg``: greedy on energy × ΔD(b)."""
-    from tq_jax import codebook
+    from tq_jax._src import codebook
 
     n = energy.size
     lo, hi = max(1, round(avg - span)), min(8, round(avg + span))

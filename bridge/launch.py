@@ -11,7 +11,7 @@ wrapping LMCache's CLI is enough::
 
 Every argument is LMCache's. On a host without CUDA the launcher adds
 ``--supported-transfer-mode auto`` when no mode is named, and warns about a K/V-aware
-serde left on ``kv_layout "auto"`` (:mod:`~tq_jax.bridge.server_args` says why); it
+serde left on ``kv_layout "auto"`` (:mod:`~tq_jax.bridge._src.server_args` says why); it
 changes nothing else. To run another LMCache entry
 module instead of the ``lmcache`` CLI, put ``-m MODULE`` first; the module runs as
 ``__main__`` with the remaining arguments, as ``python -m MODULE`` would::
@@ -20,7 +20,7 @@ module instead of the ``lmcache`` CLI, put ``-m MODULE`` first; the module runs 
 
 The launcher's own options come before all of those: ``-h``/``--help`` prints its usage
 without loading torch or LMCache; ``-v``/``--verbose`` keeps the INFO lines and warnings
-LMCache prints while it is imported (hidden by default, see :mod:`tq_jax.bridge.logs`).
+LMCache prints while it is imported (hidden by default, see :mod:`tq_jax.bridge._src.logs`).
 When LMCache builds the serde, the bridge logs one INFO line saying so.
 
 A process that LMCache (or anything else) *spawns* does not inherit the registration;
@@ -36,9 +36,10 @@ import runpy
 import sys
 from collections.abc import Sequence
 
-from tq_jax.bridge import logs, missing_extra, server_args
+from tq_jax.bridge._src import logs, server_args
+from tq_jax.bridge._src.extra import missing_extra
 
-__all__ = ["USAGE", "main"]
+__all__ = ["main"]
 
 USAGE = """\
 usage: python -m tq_jax.bridge.launch [-v] <lmcache CLI arguments>
@@ -82,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     wants_help = any(a in _HELP for a in args)  # LMCache's own --help: keep it quiet throughout
     with logs.quiet_lmcache(verbose, restore=not wants_help):
         try:
-            from tq_jax.bridge.registry import register
+            from tq_jax.bridge._src.registry import register
         except ImportError as e:  # a clone installed without the extra: one line, no traceback
             if (line := missing_extra(e)) is None:
                 raise
@@ -103,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def _with_server_defaults(args: list[str]) -> list[str]:
-    """``server`` arguments with :mod:`~tq_jax.bridge.server_args`' defaults, each one said."""
+    """``server`` arguments with :mod:`~tq_jax.bridge._src.server_args`' defaults, each one said."""
     if args[:1] != ["server"]:
         return args
     import torch

@@ -31,8 +31,8 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase, get_l2_adapter_config_class
 from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_registry
 
-from tq_jax.bridge import logs
-from tq_jax.bridge.registry import register
+from tq_jax.bridge._src import logs
+from tq_jax.bridge._src.registry import register
 
 __all__ = ["L2Adapter", "build_inner_adapter"]
 

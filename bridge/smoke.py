@@ -38,18 +38,10 @@ import uuid
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from tq_jax.bridge import logs, missing_extra
+from tq_jax.bridge._src import logs
+from tq_jax.bridge._src.extra import missing_extra
 
-__all__ = [
-    "COSINE_FLOOR",
-    "RoundTrip",
-    "SmokeError",
-    "StoreEvents",
-    "build_manager",
-    "main",
-    "mean_cosine",
-    "round_trip",
-]
+__all__ = ["main"]
 
 MODEL_NAME = "tq_jax-smoke"
 CACHE_SALT = "tq_jax-smoke"
@@ -295,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             import torch  # noqa: F401  (the lmcache extra, checked before anything runs)
 
-            from tq_jax.bridge import registry  # noqa: F401
+            from tq_jax.bridge._src import registry  # noqa: F401
         except ImportError as e:
             if (line := missing_extra(e)) is None:
                 raise
@@ -307,7 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace, spec: dict, serde_type: str | None, serde_kwargs: dict) -> int:
     import torch
 
-    from tq_jax.bridge import registry
+    from tq_jax.bridge._src import registry
 
     names = registry.register()
     ours = serde_type in names

@@ -28,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # not depend on it: test_rotation checks the rotations' digests on 1 and 2 OpenBLAS threads.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-# The LMCache serde remembers the chunk shapes it plans (tq_jax.bridge.warmup): in a
+# The LMCache serde remembers the chunk shapes it plans (tq_jax.bridge._src.warmup): in a
 # directory of this test process's own, never the user's cache, and gone with the run.
 if "TQ_JAX_CACHE_DIR" not in os.environ:
     os.environ["TQ_JAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="tq_jax-test-cache-")

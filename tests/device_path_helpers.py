@@ -23,7 +23,7 @@ def random_input(shape, dtype, seed=0):
 
 def assert_decoded_like(got, want):
     """The program's decoded values against the host path's: equal, except that XLA may
-    order a float32 sum differently inside the program (tq_jax.program's docstring):
+    order a float32 sum differently inside the program (tq_jax._src.program's docstring):
     then elements differ by float32 rounding of their row's norm plus one unit in the
     last place of the output dtype. In a 16-bit output that shows only where a rounding
     boundary is crossed: at most 1 element in 1,000. A float32 output shows every such

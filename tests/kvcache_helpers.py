@@ -1,5 +1,5 @@
 """Helpers shared by the kvcache tests: what ``tq_jax.dumps`` writes for one sequence and
-what ``tq_jax.loads`` decodes from it (the inputs of :mod:`tq_jax.kvcache.reference`),
+what ``tq_jax.loads`` decodes from it (the inputs of :mod:`tq_jax._src.kvcache.reference`),
 and ragged appends."""
 
 import jax.numpy as jnp
@@ -8,7 +8,7 @@ import pytest
 
 import tq_jax
 from tq_jax import kvcache
-from tq_jax.kvcache import reference
+from tq_jax._src.kvcache import reference
 
 D = 64  # head_dim of the small caches
 H = 2  # kv_heads
@@ -28,7 +28,7 @@ def decoded_kv(k, v, cfg):
 
 
 def attend_reference(k, v, cfg, q, exact_from=0):
-    """:func:`tq_jax.kvcache.reference.attend` for one sequence of a cache configured by
+    """:func:`tq_jax._src.kvcache.reference.attend` for one sequence of a cache configured by
     ``cfg`` holding ``k, v [T, H, D]``, its codes decoded through ``dumps``/``loads``."""
     return reference.attend(q, np.stack([k, v]), decoded_kv(k, v, cfg), window=cfg.window, sinks=cfg.sinks,
                             exact_from=exact_from)

@@ -1,4 +1,4 @@
-"""tq_jax.batch as a package: its .npy header reader (versions 1.0-3.0, hostile
+"""tq_jax._src.batch as a package: its .npy header reader (versions 1.0-3.0, hostile
 version-3.0 headers), CompressOptions' Options, the numpy-output checks, and the
 packaging (every subpackage listed in pyproject.toml)."""
 
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import tq_jax
-from tq_jax import batch
-from tq_jax import safetensors_io as st
-from tq_jax.batch import sources
+from tq_jax._src import batch
+from tq_jax._src import safetensors_io as st
+from tq_jax._src.batch import sources
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 V3_MAGIC = b"\x93NUMPY\x03\x00"
@@ -166,7 +166,7 @@ def test_error_type_and_tq_dtypes():
     assert not issubclass(batch.BatchError, ValueError)
     # Safetensors names of wire.DTYPES, in its order (cli indexes one by the other).
     assert batch.TQ_DTYPES == ("BF16", "F16", "F32")
-    assert [st.dtype_name(np.dtype(n)) for n in tq_jax.wire.DTYPES] == list(batch.TQ_DTYPES)
+    assert [st.dtype_name(np.dtype(n)) for n in tq_jax._src.wire.DTYPES] == list(batch.TQ_DTYPES)
 
 
 @pytest.mark.parametrize("ext,specs,match", [
@@ -186,7 +186,7 @@ def test_numpy_outputs_refused_before_any_file(tmp_path, ext, specs, match):
 
 
 def test_public_names_still_importable():
-    import tq_jax.batch as b
+    import tq_jax._src.batch as b
 
     for name in b.__all__:
         assert getattr(b, name) is not None

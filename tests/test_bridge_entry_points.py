@@ -168,7 +168,8 @@ def test_docs_sample_log_line_is_the_line_logged():
     import re
 
     import tq_jax
-    from tq_jax.bridge import register, registry
+    from tq_jax.bridge import register
+    from tq_jax.bridge._src import registry
 
     register()
     sample = re.search(r"\[\.\.\.\] tq_jax INFO: (tq_jax serde created: .*?)\n```", _doc("docs", "bridge.md"), re.S)

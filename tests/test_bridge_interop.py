@@ -18,7 +18,7 @@ ref_codec = pytest.importorskip("lmcache_turbo_quant_serde._codec")
 from lmcache.v1.distributed.serde import AsyncSerdeProcessor  # noqa: E402
 
 import tq_jax  # noqa: E402
-from tq_jax.bridge import serde as S  # noqa: E402
+from tq_jax.bridge._src import serde as S  # noqa: E402
 
 from bridge_util import byte_obj, key, layout, make_obj, wait  # noqa: E402
 

@@ -23,9 +23,9 @@ import numpy as np  # noqa: E402
 from lmcache.v1.multiprocess.transfer_context.base import gather_paged_kv_to_cpu  # noqa: E402
 
 import tq_jax  # noqa: E402
-from tq_jax import codebook  # noqa: E402
-from tq_jax.bridge import layouts  # noqa: E402
-from tq_jax.bridge import serde as S  # noqa: E402
+from tq_jax._src import codebook  # noqa: E402
+from tq_jax.bridge._src import layouts  # noqa: E402
+from tq_jax.bridge._src import serde as S  # noqa: E402
 
 from bridge_util import byte_obj, key, layout, make_obj  # noqa: E402
 
@@ -275,7 +275,7 @@ def test_docs_vllm_sizes_are_the_serializers():
     import re
     from pathlib import Path
 
-    from tq_jax.bridge import registry
+    from tq_jax.bridge._src import registry
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "vllm.md").read_text()
     rows = dict(re.findall(r"^\| `(\{\}|\"\w+\": [^`]+)`[^|]*\| ([\d,]+) \|", text, re.M))

@@ -1,4 +1,4 @@
-"""The bridge's ``device`` path through the device executor (tq_jax.program).
+"""The bridge's ``device`` path through the device executor (tq_jax._src.program).
 
 With ``device: "gpu"`` the serde hands ``tq_jax.dump_into`` a numpy view of LMCache's
 CPU L1 chunk and ``tq_jax.load_into`` a numpy view of the destination: the chunk
@@ -17,11 +17,11 @@ pytest.importorskip("lmcache")
 
 import numpy as np  # noqa: E402
 
-from tq_jax import blocks as blocks_mod  # noqa: E402
-from tq_jax import program as program_mod  # noqa: E402
-from tq_jax import resident as resident_mod  # noqa: E402
-from tq_jax.bridge import dlpack  # noqa: E402
-from tq_jax.bridge import serde as S  # noqa: E402
+from tq_jax._src import blocks as blocks_mod  # noqa: E402
+from tq_jax._src import program as program_mod  # noqa: E402
+from tq_jax._src import resident as resident_mod  # noqa: E402
+from tq_jax.bridge._src import dlpack  # noqa: E402
+from tq_jax.bridge._src import serde as S  # noqa: E402
 
 from bridge_util import byte_obj, key, layout, make_obj  # noqa: E402
 

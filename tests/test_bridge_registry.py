@@ -31,9 +31,9 @@ import numpy as np  # noqa: E402
 from bridge_util import Events, build_manager, key, layout, make_obj, mean_cosine, store_evict_prefetch  # noqa: E402
 from conftest import LMCACHE_WARNINGS, free_port  # noqa: E402
 
-from tq_jax.bridge import dlpack  # noqa: E402
-from tq_jax.bridge import layouts as layouts_mod  # noqa: E402
-from tq_jax.bridge import registry as reg_mod  # noqa: E402
+from tq_jax.bridge._src import dlpack  # noqa: E402
+from tq_jax.bridge._src import layouts as layouts_mod  # noqa: E402
+from tq_jax.bridge._src import registry as reg_mod  # noqa: E402
 pytestmark = LMCACHE_WARNINGS
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -250,12 +250,12 @@ def test_factory_builds_with_max_workers():
 
 def _created_lines(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records
-            if r.name == "tq_jax.bridge.registry" and r.levelno == logging.INFO and "serde created" in r.getMessage()]
+            if r.name == "tq_jax.bridge._src.registry" and r.levelno == logging.INFO and "serde created" in r.getMessage()]
 
 
 def test_each_creation_logs_one_info_line(caplog):
     register()
-    caplog.set_level(logging.INFO, logger="tq_jax.bridge.registry")
+    caplog.set_level(logging.INFO, logger="tq_jax.bridge._src.registry")
     for n in (1, 2):
         proc = create_serde_processor(SerdeConfig("tq_jax", {"bits": 3, "head_dim": 64, "format": "v1"}))
         proc.close()
@@ -272,7 +272,7 @@ def test_each_creation_logs_one_info_line(caplog):
 
 def test_creation_line_shows_effective_v2_options(caplog):
     register()
-    caplog.set_level(logging.INFO, logger="tq_jax.bridge.registry")
+    caplog.set_level(logging.INFO, logger="tq_jax.bridge._src.registry")
     proc = create_serde_processor(SerdeConfig("tqai", {"preset": "k4v3-edges", "value_bits": 2}))
     proc.close()
     (line,) = _created_lines(caplog)
@@ -284,7 +284,7 @@ def test_creation_line_shows_effective_v2_options(caplog):
 
 
 def test_refused_options_log_no_creation_line(caplog):
-    caplog.set_level(logging.INFO, logger="tq_jax.bridge.registry")
+    caplog.set_level(logging.INFO, logger="tq_jax.bridge._src.registry")
     with pytest.raises(ValueError):
         reg_mod.make_serde_processor({"bits": 9})
     assert _created_lines(caplog) == []
@@ -438,7 +438,7 @@ def test_quiet_lmcache_levels(monkeypatch):
     (help) keeps them quiet."""
     from lmcache.logging import init_logger
 
-    from tq_jax.bridge import logs
+    from tq_jax.bridge._src import logs
 
     for name in ("LMCACHE_LOG_LEVEL", "LMCACHE_DISABLE_BANNER"):
         monkeypatch.setenv(name, "x")  # recorded, so monkeypatch restores the real state
@@ -500,7 +500,7 @@ def test_auto_layout_follows_the_host(cfg, cuda, want):
 
 def test_creation_line_says_how_auto_reads_the_chunks(caplog):
     register()
-    caplog.set_level(logging.INFO, logger="tq_jax.bridge.registry")
+    caplog.set_level(logging.INFO, logger="tq_jax.bridge._src.registry")
     proc = reg_mod.make_serde_processor({"head_dim": 64, "warmup": False})
     proc.close()
     (line,) = _created_lines(caplog)
@@ -518,15 +518,15 @@ WARM_CHILD = r"""
 import json, sys
 import numpy as np, torch
 from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
-import tq_jax.blob
-from tq_jax.bridge import registry
+import tq_jax._src.blob
+from tq_jax.bridge._src import registry
 sys.path.insert(0, "tests")
 from bridge_util import byte_obj, make_obj
 cfg, shape, store = json.loads(sys.argv[1]), tuple(json.loads(sys.argv[2])), sys.argv[3] == "store"
 registry.register()
 proc = registry.make_serde_processor(cfg)
 ser, de = proc._serializer, proc._deserializer
-before = tq_jax.blob.compiled_programs()
+before = tq_jax._src.blob.compiled_programs()
 lay = MemoryLayoutDesc(shapes=[torch.Size(shape)], dtypes=[torch.bfloat16])
 k = ObjectKey(chunk_hash=b"w".ljust(32, b"\0"), model_name="m", kv_rank=0)
 src = make_obj([shape], [torch.bfloat16])
@@ -534,7 +534,7 @@ src.tensor.copy_(torch.randn(shape).to(torch.bfloat16))
 value = byte_obj(ser.estimate_serialized_size(lay))
 ser.serialize(src, value, k)
 de.deserialize(value, make_obj([shape], [torch.bfloat16]), k)
-print(json.dumps({"compiled_at_first_use": tq_jax.blob.compiled_programs() - before}))
+print(json.dumps({"compiled_at_first_use": tq_jax._src.blob.compiled_programs() - before}))
 proc.close()
 """
 
@@ -566,7 +566,7 @@ def test_a_started_serde_compiles_nothing_at_its_first_hit(tmp_path):
 
 
 def test_chunk_shapes_are_remembered_per_setting(tmp_path, caplog):
-    from tq_jax.bridge.warmup import MAX_SHAPES, ChunkShapes
+    from tq_jax.bridge._src.warmup import MAX_SHAPES, ChunkShapes
 
     a = ChunkShapes("setting a", tmp_path)
     for t in range(MAX_SHAPES + 2):
@@ -578,7 +578,7 @@ def test_chunk_shapes_are_remembered_per_setting(tmp_path, caplog):
     assert again[0] == ((30, 256 * 3, 384), "bfloat16") and again[-1] == ((30, 256 * (MAX_SHAPES + 2), 384), "bfloat16")
     assert ChunkShapes("setting b", tmp_path).shapes == []
     a.path.write_text("not json")
-    caplog.set_level(logging.WARNING, logger="tq_jax.bridge.warmup")
+    caplog.set_level(logging.WARNING, logger="tq_jax.bridge._src.warmup")
     assert ChunkShapes("setting a", tmp_path).shapes == []
     assert "ignoring the remembered chunk shapes" in caplog.text
     blocked = tmp_path / "file"
@@ -605,7 +605,7 @@ def test_remembered_shapes_the_layout_refuses_are_skipped_and_forgotten(tmp_path
     (path,) = tmp_path.glob("lmcache-chunks-*.json")  # the setting's file
     assert json.loads(path.read_text()) == [[[2, 256, 384], "bfloat16"]]
     path.write_text(json.dumps([[[2, 2, 256, 128], "bfloat16"], [[2, 256, 384], "bfloat16"]]))  # a split chunk: no fit
-    caplog.set_level(logging.INFO, logger="tq_jax.bridge.registry")
+    caplog.set_level(logging.INFO, logger="tq_jax.bridge._src.registry")
     ser2, de2 = reg_mod.build_serde(reg_mod.parse_options(cfg))
     reg_mod.warm(ser2, de2, tmp_path)
     assert "warm-up failed" not in caplog.text

@@ -1,6 +1,6 @@
 """Key binding of checksummed values and per-tenant AES-GCM sealing, without a store.
 
-The serializers and deserializers LMCache gets from :func:`tq_jax.bridge.registry.build_serde`
+The serializers and deserializers LMCache gets from :func:`tq_jax.bridge._src.registry.build_serde`
 are driven directly on real ``MemoryObj``s; every refusal is checked to leave the
 destination untouched (nothing decoded), and every accepted value against
 ``tq_jax.loads`` of the same TQ01 blob.
@@ -20,8 +20,8 @@ import numpy as np  # noqa: E402
 from lmcache.v1.distributed.api import ObjectKey  # noqa: E402
 
 import tq_jax  # noqa: E402
-from tq_jax.bridge import dlpack, registry, seal  # noqa: E402
-from tq_jax.bridge import serde as S  # noqa: E402
+from tq_jax.bridge._src import dlpack, registry, seal  # noqa: E402
+from tq_jax.bridge._src import serde as S  # noqa: E402
 
 from bridge_util import byte_obj, layout, make_obj  # noqa: E402
 
@@ -163,7 +163,7 @@ def test_every_flipped_byte_of_a_checksummed_value_is_refused():
 
 # ----------------------------------------------------------------------------- sealing
 
-# The derivations, written out here independently of bridge/seal.py (docs/bridge.md, frames).
+# The derivations, written out here independently of bridge/_src/seal.py (docs/bridge.md, frames).
 V1_INFO, V2_INFO, VALUE_INFO = b"tq_jax-l2-aesgcm-v1", b"tq_jax-l2-aesgcm-v2", b"tq_jax-l2-value-v2"
 
 

@@ -1,4 +1,4 @@
-"""tq_jax.bridge.serde: the LMCache v1 Serializer/Deserializer, through AsyncSerdeProcessor.
+"""tq_jax.bridge._src.serde: the LMCache v1 Serializer/Deserializer, through AsyncSerdeProcessor.
 
 Everything runs against the real lmcache 0.5.6 classes (TensorMemoryObj, MemoryLayoutDesc,
 create_serde_processor); failures inside AsyncSerdeProcessor are only logged, so every
@@ -17,8 +17,9 @@ import numpy as np  # noqa: E402
 from lmcache.v1.distributed.serde import SerdeConfig, create_serde_processor  # noqa: E402
 
 import tq_jax  # noqa: E402
-from tq_jax.bridge import dlpack, register  # noqa: E402
-from tq_jax.bridge import serde as S  # noqa: E402
+from tq_jax.bridge._src import dlpack  # noqa: E402
+from tq_jax.bridge import register  # noqa: E402
+from tq_jax.bridge._src import serde as S  # noqa: E402
 
 from bridge_util import byte_obj, key, layout, make_obj, mean_cosine, wait  # noqa: E402
 

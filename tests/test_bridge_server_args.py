@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from tq_jax.bridge import server_args as S
+from tq_jax.bridge._src import server_args as S
 
 
 def _adapter(**serde) -> list[str]:

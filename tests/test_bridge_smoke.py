@@ -22,7 +22,7 @@ from lmcache.v1.distributed.serde import AsyncSerdeProcessor, Deserializer, Seri
 from lmcache.v1.distributed.serde import factory as lmc_factory  # noqa: E402
 
 import tq_jax  # noqa: E402
-from tq_jax import frames  # noqa: E402
+from tq_jax._src import frames  # noqa: E402
 from tq_jax.bridge import smoke  # noqa: E402
 
 from conftest import LMCACHE_WARNINGS  # noqa: E402

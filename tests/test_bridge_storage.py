@@ -17,8 +17,9 @@ pytest.importorskip("lmcache")
 import numpy as np  # noqa: E402
 
 import tq_jax  # noqa: E402
-from tq_jax.bridge import dlpack, register  # noqa: E402
-from tq_jax.bridge.serde import KEY_TRAILER_BYTES  # noqa: E402
+from tq_jax.bridge._src import dlpack  # noqa: E402
+from tq_jax.bridge import register  # noqa: E402
+from tq_jax.bridge._src.serde import KEY_TRAILER_BYTES  # noqa: E402
 
 from bridge_util import Events, build_manager, key, mean_cosine, store_evict_prefetch  # noqa: E402
 

@@ -22,7 +22,7 @@ def test_loads_of_a_v1_blob_walks_straight_down():
     seq = walk(tq_jax.loads, blob)
     s = summary(seq)
     assert s["stops"] <= 12 and s["modules"] <= 5 and s["climbs"] <= 3, s
-    assert [m for m in seq if m != "tq_jax.blob"] == ["tq_jax.wire", "tq_jax.plan", "tq_jax.blocks", "tq_jax.codec"], s["walk"]
+    assert [m for m in seq if m != "tq_jax._src.blob"] == ["tq_jax._src.wire", "tq_jax._src.plan", "tq_jax._src.blocks", "tq_jax._src.codec"], s["walk"]
     out = np.empty_like(x)
     tq_jax.load_into(blob, out)
     assert summary(walk(tq_jax.load_into, blob, out))["walk"] == s["walk"]
@@ -35,10 +35,10 @@ def test_dumps_of_a_v1_blob_walks_straight_down():
     s = summary(seq)
     # options (the settings front door) and the writer after the encoder are two stops loads has no need of
     assert s["stops"] <= 12 and s["modules"] <= 6 and s["climbs"] <= 4, s
-    assert [m for m in seq if m != "tq_jax.blob"] == [
-        "tq_jax.options", "tq_jax.plan", "tq_jax.wire", "tq_jax.blocks", "tq_jax.codec", "tq_jax.wire"], s["walk"]
+    assert [m for m in seq if m != "tq_jax._src.blob"] == [
+        "tq_jax._src.options", "tq_jax._src.plan", "tq_jax._src.wire", "tq_jax._src.blocks", "tq_jax._src.codec", "tq_jax._src.wire"], s["walk"]
 
 
 def test_the_walk_counts_returns_that_call_on_and_climbs():
-    assert summary(["tq_jax.blob", "tq_jax.wire", "tq_jax.blob", "tq_jax.blocks", "tq_jax.codec", "tq_jax.blob"]) == {
+    assert summary(["tq_jax._src.blob", "tq_jax._src.wire", "tq_jax._src.blob", "tq_jax._src.blocks", "tq_jax._src.codec", "tq_jax._src.blob"]) == {
         "stops": 6, "modules": 4, "climbs": 2, "walk": "blob → wire → blob → blocks → codec → blob"}

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import tq_jax
-from tq_jax import batch
-from tq_jax import bench
-from tq_jax import cli
-from tq_jax import safetensors_io as st
+from tq_jax._src import batch
+from tq_jax._src import bench
+from tq_jax._src import cli
+from tq_jax._src import safetensors_io as st
 
 from conftest import mean_cosine, sweep
 
@@ -401,7 +401,7 @@ def test_console_entry_point_error_has_no_traceback(tmp_path):
 @pytest.mark.slow  # a fresh process; test_import checks that `import tq_jax` loads no torch
 def test_cli_modules_import_no_optional_dependency():
     code = (
-        "import sys, tq_jax.cli, tq_jax.batch, tq_jax.bench, tq_jax.distributed, tq_jax.safetensors_io\n"
+        "import sys, tq_jax._src.cli, tq_jax._src.batch, tq_jax._src.bench, tq_jax._src.distributed, tq_jax._src.safetensors_io\n"
         "print(sorted({'torch', 'matplotlib', 'tqdm', 'safetensors', 'lmcache_turbo_quant_serde'} & set(sys.modules)))"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

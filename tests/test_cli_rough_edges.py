@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import tq_jax
-from tq_jax import bench
-from tq_jax import cli
-from tq_jax import safetensors_io as st
+from tq_jax._src import bench
+from tq_jax._src import cli
+from tq_jax._src import safetensors_io as st
 
 from conftest import mean_cosine
 
@@ -276,7 +276,7 @@ def test_turbo_preset_and_norm_bits_flag_reach_the_blobs(tmp_path, capsys):
 
 def test_cli_and_batch_errors_end_with_one_line_and_status_1(tmp_path, capsys):
     """cli's own CliError (flags) and batch's BatchError (files) are reported the same way."""
-    from tq_jax import batch
+    from tq_jax._src import batch
 
     assert not issubclass(cli.CliError, batch.BatchError) and not issubclass(batch.BatchError, cli.CliError)
     x = tmp_path / "x.npy"

@@ -25,7 +25,7 @@ import time
 import numpy as np
 import pytest
 
-from tq_jax import safetensors_io as st
+from tq_jax._src import safetensors_io as st
 
 from conftest import sweep
 

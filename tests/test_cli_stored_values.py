@@ -1,7 +1,7 @@
 """``tq-jax inspect`` and ``decompress`` on values an LMCache L2 adapter stores.
 
 The values are written by the tq_jax serde itself (the serializer LMCache gets from
-:func:`tq_jax.bridge.registry.build_serde`) and saved to files, as an operator would
+:func:`tq_jax.bridge._src.registry.build_serde`) and saved to files, as an operator would
 save an ``fs`` file or a Redis value: a key-bound value (``turbo-3.5``: the blob and the
 ``TQK1`` key trailer), a multi-group one, and sealed ones (``encrypt``: ``TQS2``, and a
 ``TQS1`` value sealed as the serde did before). Expected headers and digests come from
@@ -23,9 +23,9 @@ import numpy as np  # noqa: E402
 from lmcache.v1.distributed.api import ObjectKey  # noqa: E402
 
 import tq_jax  # noqa: E402
-from tq_jax import cli  # noqa: E402
-from tq_jax.bridge import dlpack, registry  # noqa: E402
-from tq_jax.bridge import serde as S  # noqa: E402
+from tq_jax._src import cli  # noqa: E402
+from tq_jax.bridge._src import dlpack, registry  # noqa: E402
+from tq_jax.bridge._src import serde as S  # noqa: E402
 
 from bridge_util import byte_obj, layout, make_obj  # noqa: E402
 

@@ -14,7 +14,7 @@ from importlib.resources import files
 import numpy as np
 import pytest
 
-from tq_jax.codebook import Codebook, expected_mse, lloyd_max
+from tq_jax._src.codebook import Codebook, expected_mse, lloyd_max
 
 SHIPPED_DIMS = (64, 96, 128, 256)
 SHIPPED_BITS = (2, 3, 4, 6, 8)
@@ -188,7 +188,7 @@ def test_bad_dim(dim):
 def test_solves_fast_without_scipy_or_torch():
     # a fresh process, so the 8-bit solve is not served from lloyd_max's cache
     code = (
-        "import sys, time, tq_jax.codebook as c; t0 = time.perf_counter(); c.lloyd_max(127, 8); "
+        "import sys, time, tq_jax._src.codebook as c; t0 = time.perf_counter(); c.lloyd_max(127, 8); "
         "print(time.perf_counter() - t0); c.lloyd_max(80, 3); "
         "bad = [m for m in ('scipy', 'torch') if m in sys.modules]; "
         "assert not bad, bad"

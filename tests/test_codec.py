@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 import tq_jax
-from tq_jax import _kernels as kernels  # the kernels alone, through their own names
-from tq_jax import blob, codebook, codec, packing
-from tq_jax import rotation as rotation_mod
+from tq_jax._src import _kernels as kernels  # the kernels alone, through their own names
+from tq_jax._src import blob, codebook, codec, packing
+from tq_jax._src import rotation as rotation_mod
 
 from conftest import cosine, sweep
 
@@ -361,7 +361,7 @@ def test_dump_into_writes_exact_size():
 
 def test_encode_kernel_cache_is_bounded(monkeypatch):
     # a small bound exercises the same eviction (the real one would compile 69 programs)
-    from tq_jax import _lru
+    from tq_jax._src import _lru
 
     monkeypatch.setattr(codec, "_encoders", _lru.LRU("test encoders", 3))
     x = np.random.default_rng(9).standard_normal((8, 16)).astype(np.float32)

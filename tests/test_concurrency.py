@@ -1,8 +1,8 @@
 """Concurrency: the serde under LMCache's AsyncSerdeProcessor, and dumps/loads from threads.
 
-The codec's shared mutable state is its caches: bounded ``tq_jax._lru.LRU`` tables
+The codec's shared mutable state is its caches: bounded ``tq_jax._src._lru.LRU`` tables
 (codebooks, rotations), ``codec._device_cache`` (device copies of the tables, a
-bounded tq_jax._lru.LRU) and JAX's compiled-program caches. Each test runs its concurrent
+bounded tq_jax._src._lru.LRU) and JAX's compiled-program caches. Each test runs its concurrent
 part *first*, with a head_dim and seed no other test uses, so that the caches are
 filled by racing threads; the serial run afterwards is the reference, and every byte
 and every decoded value must agree.
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import tq_jax
-from tq_jax import codec
+from tq_jax._src import codec
 
 from conftest import LMCACHE_WARNINGS  # noqa: E402
 
@@ -42,7 +42,8 @@ def lmc():
     pytest.importorskip("lmcache")
     from lmcache.v1.distributed.serde import SerdeConfig, create_serde_processor
 
-    from tq_jax.bridge import dlpack, register
+    from tq_jax.bridge._src import dlpack
+    from tq_jax.bridge import register
 
     from bridge_util import byte_obj, key, layout, make_obj, wait
 

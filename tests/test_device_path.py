@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 import tq_jax
-from tq_jax import blob
-from tq_jax import blocks as blocks_mod
-from tq_jax import program as program_mod
-from tq_jax import resident as resident_mod
+from tq_jax._src import blob
+from tq_jax._src import blocks as blocks_mod
+from tq_jax._src import program as program_mod
+from tq_jax._src import resident as resident_mod
 
 from conftest import sweep
 from device_path_helpers import options_from, random_input
@@ -120,15 +120,15 @@ def _check_resident_loads(b, block, monkeypatch):
 def test_qjl_blob_decodes_on_a_device(monkeypatch):
     """A reference-style v1 QJL blob (sections from wire's writer) decodes the same on the device."""
     rng = np.random.default_rng(3)
-    h = tq_jax.wire.Header(bits=3, seed=5, shape=(2, 41, 64), dtype="bfloat16", use_qjl=True, qjl_sketch_size=32)
+    h = tq_jax._src.wire.Header(bits=3, seed=5, shape=(2, 41, 64), dtype="bfloat16", use_qjl=True, qjl_sketch_size=32)
     n = h.num_vectors
-    sections = tq_jax.wire.Sections(
+    sections = tq_jax._src.wire.Sections(
         [[np.packbits(rng.integers(0, 2, n * h.dim * h.bits, dtype=np.uint8), bitorder="little")]],
         [rng.uniform(0.5, 2, n).astype(np.float16)],
         sketch=rng.choice(np.array([-1, 1], np.int8), (n, h.qjl_sketch_size)),
         residual_norms=rng.uniform(0, 0.2, n).astype(np.float16),
     )
-    b = b"".join(bytes(piece) for piece in tq_jax.wire.pieces(h, sections))
+    b = b"".join(bytes(piece) for piece in tq_jax._src.wire.pieces(h, sections))
     assert tq_jax.parse(b).header.use_qjl
     _check_resident_loads(b, 16, monkeypatch)
 
@@ -203,7 +203,7 @@ def test_options_argument():
 def test_four_host_devices_encode_and_decode_where_asked():
     code = """
     import jax, jax.numpy as jnp, numpy as np, tq_jax
-    from tq_jax import program, resident
+    from tq_jax._src import program, resident
     devs = jax.devices()
     assert len(devs) == 4, devs
     x = np.random.default_rng(0).standard_normal((2, 4, 300, 2, 64), np.float32).astype(jnp.bfloat16)

@@ -1,4 +1,4 @@
-"""tq_jax.distributed: joining a jax.distributed job through jax's public API.
+"""tq_jax._src.distributed: joining a jax.distributed job through jax's public API.
 
 The multi-process tests start fresh Python processes (jax.distributed needs one per
 member), so they are slow; the byte-identity of distributed compress/decompress runs
@@ -15,7 +15,7 @@ import sys
 import jax
 import pytest
 
-from tq_jax import distributed
+from tq_jax._src import distributed
 
 from conftest import free_port
 
@@ -62,7 +62,7 @@ def test_private_jax_is_read_in_one_place():
 _MEMBER = r"""
 import json, sys
 import jax
-from tq_jax import batch, distributed
+from tq_jax._src import batch, distributed
 
 port, pid = sys.argv[1], int(sys.argv[2])
 c = distributed.initialize(f"127.0.0.1:{port}", 2, pid, timeout_s=120)

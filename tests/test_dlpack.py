@@ -1,4 +1,4 @@
-"""torch <-> JAX conversion in tq_jax.bridge.dlpack: zero-copy paths, copies, errors."""
+"""torch <-> JAX conversion in tq_jax.bridge._src.dlpack: zero-copy paths, copies, errors."""
 
 import ml_dtypes
 import numpy as np
@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from tq_jax.bridge import dlpack  # noqa: E402
+from tq_jax.bridge._src import dlpack  # noqa: E402
 
 DTYPES = list(dlpack.SUPPORTED_DTYPES)  # every dtype the bridge says it carries
 assert torch.bfloat16 in DTYPES and torch.float16 in DTYPES and torch.float32 in DTYPES  # LMCache's KV dtypes

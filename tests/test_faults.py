@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import tq_jax
-from tq_jax import wire
+from tq_jax._src import wire
 
 from conftest import LMCACHE_WARNINGS  # noqa: E402
 
@@ -97,7 +97,8 @@ def lmc():
     from lmcache.v1.distributed.api import GroupedObjectKeys, PrefetchTaskSpec
     from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import _object_key_to_filename
 
-    from tq_jax.bridge import dlpack, register
+    from tq_jax.bridge._src import dlpack
+    from tq_jax.bridge import register
 
     import bridge_util
 

@@ -1,4 +1,4 @@
-"""The frames around a stored L2 value (tq_jax.frames), and how the core parser names them.
+"""The frames around a stored L2 value (tq_jax._src.frames), and how the core parser names them.
 
 Handcrafted bytes against the documented layout (docs/bridge.md): the module's sizes,
 the two recognisers, and ``tq_jax.loads`` of a key-bound value raising the wire error
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import tq_jax
-from tq_jax import frames, wire
+from tq_jax._src import frames, wire
 
 
 def _blob(checksum: bool) -> bytes:
@@ -31,7 +31,7 @@ def test_documented_sizes():
 
 
 def test_frames_imports_nothing_but_the_standard_library():
-    code = "import sys, tq_jax.frames; bad = {m for m in ('numpy', 'jax', 'torch', 'lmcache', 'cryptography') if m in sys.modules}; print(sorted(bad))"
+    code = "import sys, tq_jax._src.frames; bad = {m for m in ('numpy', 'jax', 'torch', 'lmcache', 'cryptography') if m in sys.modules}; print(sorted(bad))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

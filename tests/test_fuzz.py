@@ -34,7 +34,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tq_jax
-from tq_jax import codec, wire
+from tq_jax._src import codec, wire
 
 FUZZ = settings(
     deadline=None,
@@ -301,7 +301,7 @@ def bridge():
     pytest.importorskip("lmcache")
     import torch
 
-    from tq_jax.bridge import dlpack, serde
+    from tq_jax.bridge._src import dlpack, serde
 
     from bridge_util import byte_obj, make_obj
 
@@ -486,7 +486,7 @@ def test_regression_caches_keyed_by_header_fields_are_bounded():
     # Found by the long run's RSS samples: the device-table cache kept one entry per
     # (head_dim, bits, seed) a blob named, forever; a stream of blobs with fresh seeds
     # (or flipped seed bits, which v1 cannot detect) grew it without bound.
-    from tq_jax import _lru, codebook, rotation
+    from tq_jax._src import _lru, codebook, rotation
 
     # every module-level LRU of the codec and the layers below it (the device tables included)
     def module_lrus(*mods):

@@ -23,9 +23,9 @@ def test_import_tq_jax_is_light_and_every_public_name_resolves():
         "import sys, tq_jax; "
         "heavy = sorted(m for m in ('jax', 'numpy', 'jaxlib') if m in sys.modules); "
         "assert not heavy, heavy; "
-        "import tq_jax.codec, tq_jax.blob, tq_jax.wire, tq_jax.options; "
-        "mods = {'codec': tq_jax.codec, 'blob': tq_jax.blob, 'wire': tq_jax.wire, 'options': tq_jax.options}; "
-        "assert all(getattr(tq_jax, n) is getattr(mods[tq_jax._EXPORTS[n].split('.')[1]], n) for n in tq_jax.__all__); "
+        "import tq_jax._src.codec, tq_jax._src.blob, tq_jax._src.wire, tq_jax._src.options; "
+        "mods = {'codec': tq_jax._src.codec, 'blob': tq_jax._src.blob, 'wire': tq_jax._src.wire, 'options': tq_jax._src.options}; "
+        "assert all(getattr(tq_jax, n) is getattr(mods[tq_jax._EXPORTS[n].split('.')[-1]], n) for n in tq_jax.__all__); "
         "ns = {}; exec('from tq_jax import *', ns); "
         "assert set(tq_jax.__all__) <= set(ns), set(tq_jax.__all__) - set(ns); "
         "assert set(tq_jax.__all__) <= set(dir(tq_jax)); "
@@ -65,10 +65,10 @@ def test_ci_refuses_to_run_with_a_test_dependency_missing(tmp_path):
 def test_norm_overflow_error_is_one_class_defined_by_the_format():
     """The format (wire) defines it; the blob layer and the package name the same class."""
     import tq_jax
-    from tq_jax import blob, wire
+    from tq_jax._src import blob, wire
 
     assert tq_jax.NormOverflowError is blob.NormOverflowError is wire.NormOverflowError
-    assert wire.NormOverflowError.__module__ == "tq_jax.wire"
+    assert wire.NormOverflowError.__module__ == "tq_jax._src.wire"
 
 
 @pytest.mark.slow  # a fresh process; the quick tier keeps the two import checks above
@@ -78,10 +78,10 @@ def test_submodules_are_attributes_loaded_on_first_use():
         "import sys, tq_jax; "
         "assert 'jax' not in sys.modules and 'numpy' not in sys.modules; "
         "assert 'tq_jax.kvcache' not in sys.modules and 'kvcache' in dir(tq_jax); "
-        "assert 'tq_jax.options' not in sys.modules; "
+        "assert 'tq_jax._src.options' not in sys.modules; "
         "import importlib; "
         "assert callable(tq_jax.kvcache.init) and tq_jax.kvcache is importlib.import_module('tq_jax.kvcache'); "
-        "assert tq_jax.wire.parse is tq_jax.parse and tq_jax.options.Options is tq_jax.Options; "
+        "assert tq_jax._src.wire.parse is tq_jax.parse and tq_jax._src.options.Options is tq_jax.Options; "
         "assert 'torch' not in sys.modules; "
         "import pytest; pytest.raises(AttributeError, getattr, tq_jax, 'no_such_module')"
     )

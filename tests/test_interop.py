@@ -199,7 +199,7 @@ def index_flips(ours: bytes, theirs: bytes) -> np.ndarray:
     assert len(ours) == len(theirs) and a.header == b.header
     np.testing.assert_array_equal(np.asarray(a.norms[0]), np.asarray(b.norms[0]))
     n, bits = int(np.prod(a.header.shape)), a.header.bits
-    from tq_jax.packing import unpack
+    from tq_jax._src.packing import unpack
 
     ia = np.asarray(unpack(np.asarray(a.indices[0]), bits, n)).astype(np.int16)
     ib = np.asarray(unpack(np.asarray(b.indices[0]), bits, n)).astype(np.int16)

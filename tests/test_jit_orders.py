@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import tq_jax
-from tq_jax import codec
+from tq_jax._src import codec
 
 from conftest import sweep
 

@@ -2,7 +2,7 @@
 
 The reference for every check is independent of the cache: ``tq_jax.dumps`` of the same
 tokens (bytes), ``tq_jax.loads`` of that blob (the K/V the codes stand for), and dense
-float64 attention over them (``tq_jax.kvcache.reference``). The grid is lean on purpose (compiles dominate):
+float64 attention over them (``tq_jax._src.kvcache.reference``). The grid is lean on purpose (compiles dominate):
 each case covers several axes at once.
 """
 
@@ -23,7 +23,8 @@ import tq_jax
 from conftest import sweep
 from kvcache_helpers import D, H, dumps_kv, fill, with_impls
 from tq_jax import kvcache
-from tq_jax.kvcache.reference import dense_attention
+from tq_jax._src.kvcache.reference import dense_attention
+from tq_jax._src.kvcache import state as kv_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -317,8 +318,8 @@ def blob_of(header):
     body = b"".join(struct.pack("<q", n) + bytes(n) + struct.pack("<q", v * norm_size) + bytes(v * norm_size)
                     for n, (_, _, _, _, v) in zip(sizes, header.segments()))
     raw = struct.pack("<q", header.raw_nbytes()) + bytes(header.raw_nbytes()) if header.version == 2 else b""
-    blob = tq_jax.wire.header_bytes(header) + body + raw
-    assert len(blob) == tq_jax.wire.blob_nbytes(header)
+    blob = tq_jax._src.wire.header_bytes(header) + body + raw
+    assert len(blob) == tq_jax._src.wire.blob_nbytes(header)
     return blob
 
 
@@ -417,14 +418,14 @@ def test_default_block_fills_about_block_bytes_of_float32_keys():
     # the benchmark's shape: 4 x 8 heads x 128 dims x 4 bytes = 16 KiB a token -> 64 tokens = 1 MiB
     assert kvcache.init(4, 8192, 8, 128, window=0, sinks=0).config.block_tokens == 64
     assert kvcache.init(4, 8192, 8, 128, page_size=16, window=0, sinks=0).config.block_tokens == 64  # blocks span pages
-    assert kvcache.init(1, 4096, 3, 64, window=0, sinks=0).config.block_tokens == kvcache.BLOCK_TOKENS  # small: the cap
+    assert kvcache.init(1, 4096, 3, 64, window=0, sinks=0).config.block_tokens == kv_state.BLOCK_TOKENS  # small: the cap
     assert kvcache.init(64, 64, 32, 256, window=0, sinks=0).config.block_tokens == 16  # large: the floor
     assert kvcache.init(1, 40, 3, 64, window=0, sinks=0).config.block_tokens == 64  # never beyond the capacity's power of two
     for batch, heads, dim in ((4, 8, 128), (2, 8, 64), (1, 3, 64), (8, 16, 128)):
         block = kvcache.init(batch, 2048, heads, dim, window=0, sinks=0).config.block_tokens
         per_token = batch * heads * dim * 4
-        assert block * per_token <= kvcache.BLOCK_BYTES or block == 16
-        assert 2 * block * per_token > kvcache.BLOCK_BYTES or block == kvcache.BLOCK_TOKENS
+        assert block * per_token <= kv_state.BLOCK_BYTES or block == 16
+        assert 2 * block * per_token > kv_state.BLOCK_BYTES or block == kv_state.BLOCK_TOKENS
 
 
 @pytest.mark.parametrize("preset", sweep(["turbo-4", "turbo-3.5", "turbo-2.5"]))

@@ -1,4 +1,4 @@
-"""tq_jax.kvcache.pallas_gpu's bf16 mode (``Tuning(mode="bf16")``), run by the Pallas
+"""tq_jax._src.kvcache.pallas_gpu's bf16 mode (``Tuning(mode="bf16")``), run by the Pallas
 interpreter on CPU, held to dense bf16 attention's accuracy: over the attend matrix of
 tests/test_kvcache_gpu_kernel.py plus exact windows and sinks, its error against float64
 attention over the same K/V (the blob's decoded vectors where the cache holds codes, the
@@ -23,7 +23,7 @@ import pytest
 
 import tq_jax
 from tq_jax import kvcache
-from tq_jax.kvcache import pallas_gpu, reference
+from tq_jax._src.kvcache import pallas_gpu, reference
 
 from kvcache_helpers import D, H, decoded_kv, fill
 
@@ -146,7 +146,7 @@ def test_bf16_mode_through_attend_and_its_tuning_argument():
     q = jnp.asarray(rng.standard_normal((3, 1, H * 4, D)), jnp.bfloat16)
     tuning = pallas_gpu.Tuning(mode="bf16", block=32)  # splits: the default, one program per block here
     out = np.asarray(kvcache.attend(cache, q, impl="pallas_gpu", tuning=tuning), np.float64)
-    from tq_jax.kvcache import attention
+    from tq_jax._src.kvcache import attention
 
     traces = attention._attend_jit._cache_size()
     kvcache.attend(cache, q, impl="pallas_gpu", tuning=pallas_gpu.Tuning(mode="bf16", block=32))  # an equal tuning
@@ -214,7 +214,7 @@ def test_bf16_mode_lowers_to_triton_ir_for_cuda(kb, vb, rotation, page_size, gro
 def test_mosaic_gpu_lowering_is_not_checked_on_cpu():
     pytest.skip(
         "no Mosaic GPU kernel ships, so there is no Mosaic GPU lowering to check: both modes are the Triton kernel "
-        "(tq_jax/kvcache/pallas_gpu.py). A CPU jaxlib can lower Pallas to Mosaic GPU (jax 0.10.2 lowers a toy "
+        "(tq_jax/_src/kvcache/pallas_gpu.py). A CPU jaxlib can lower Pallas to Mosaic GPU (jax 0.10.2 lowers a toy "
         "kernel for 'cuda'), so a Mosaic GPU kernel, once one is measured faster on a GPU, gets its lowering test "
         "here; docs/accelerator.md."
     )

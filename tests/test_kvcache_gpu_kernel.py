@@ -1,6 +1,6 @@
-"""tq_jax.kvcache.pallas_gpu: the Pallas/Triton decode kernel, run by the Pallas
+"""tq_jax._src.kvcache.pallas_gpu: the Pallas/Triton decode kernel, run by the Pallas
 interpreter on CPU, against dense float64 attention over the decoded blob
-(``tq_jax.kvcache.reference``; tests/test_kvcache.py also runs this kernel through its
+(``tq_jax._src.kvcache.reference``; tests/test_kvcache.py also runs this kernel through its
 impl-parametrized tests), plus its lowering to Triton IR for CUDA (JAX lowers for a
 platform it does not run on, so Triton lowering errors show up here too).
 """
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from tq_jax import kvcache
-from tq_jax.kvcache import pallas_gpu, scoring
-from tq_jax.kvcache.reference import dense_attention
+from tq_jax._src.kvcache import pallas_gpu, scoring
+from tq_jax._src.kvcache.reference import dense_attention
 
 from kvcache_helpers import D, H, decoded_kv, fill
 
@@ -149,7 +149,7 @@ def test_bad_tuning_and_unsupported_head_dim_are_clear_errors():
 
 
 def test_auto_impl_is_the_gpu_kernel_on_a_gpu_when_head_dim_tiles(monkeypatch):
-    from tq_jax.kvcache import attention
+    from tq_jax._src.kvcache import attention
 
     tiles = kvcache.init(1, 16, 1, 64, key_bits=4, value_bits=3, window=0, sinks=0)
     odd = kvcache.init(1, 16, 1, 96, key_bits=4, value_bits=4, window=0, sinks=0)  # 48-wide lanes
@@ -167,7 +167,7 @@ def test_auto_falls_back_to_xla_with_one_warning_on_a_gpu_without_triton(monkeyp
 
     import jax.experimental.pallas as pallas_pkg
 
-    from tq_jax.kvcache import attention
+    from tq_jax._src.kvcache import attention
 
     rng = np.random.default_rng(4)
     cache = kvcache.init(3, 48, H, D, key_bits=4, value_bits=4, rotation="haar", seed=11, dtype=jnp.float32,

@@ -1,7 +1,7 @@
-"""tq_jax.kvcache.ragged: ragged paged attention over packed codes, driven as a serving
+"""tq_jax._src.kvcache.ragged: ragged paged attention over packed codes, driven as a serving
 engine drives it (its own page tables, slots and flat query batches).
 
-References, independent of the pool: ``tq_jax.kvcache.reference.ragged_attend``, dense
+References, independent of the pool: ``tq_jax._src.kvcache.reference.ragged_attend``, dense
 float64 attention over K/V whose positions in each sequence's window (the last
 ``window``) and sinks (the first ``sinks``) are the tokens as given and the rest
 ``tq_jax.loads(tq_jax.dumps(...))`` of them, read through the engine's page table; jax's own
@@ -19,7 +19,7 @@ import pytest
 import tq_jax
 from kvcache_helpers import D, H, decoded_kv
 from tq_jax import kvcache
-from tq_jax.kvcache import ragged, reference
+from tq_jax._src.kvcache import ragged, reference
 
 
 class Engine:
@@ -96,7 +96,7 @@ def pages(eng):
 
 
 def expected(eng, q, args, window, sinks, sliding_window=None, sm_scale=None):
-    """``tq_jax.kvcache.reference.ragged_attend`` over the engine's pages for the RPA arguments ``args``."""
+    """``tq_jax._src.kvcache.reference.ragged_attend`` over the engine's pages for the RPA arguments ``args``."""
     return reference.ragged_attend(q, *pages(eng), *args, window=window, sinks=sinks, sm_scale=sm_scale,
                                    sliding_window=sliding_window)
 
@@ -372,7 +372,7 @@ def test_the_docs_snippet_runs_and_the_docstring_examples_hold(capsys):
     import os
     import re
 
-    from tq_jax.kvcache import pool as pool_module
+    from tq_jax._src.kvcache import pool as pool_module
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(root, "docs", "kvcache.md"), encoding="utf-8") as f:
@@ -394,7 +394,7 @@ def test_shard_map_over_kv_heads_on_four_devices_matches_one_device():
     code = textwrap.dedent("""
         import jax, jax.numpy as jnp, numpy as np
         from jax.sharding import Mesh, PartitionSpec as P
-        from tq_jax.kvcache import ragged
+        from tq_jax._src.kvcache import ragged
         assert len(jax.devices()) == 4
         rng = np.random.default_rng(6)
         pool = ragged.init_pool(16, 8, 8, 64, dtype=jnp.float32, window=8, sinks=2, max_seqs=2)

@@ -1,7 +1,7 @@
 """tq_jax.kvcache's exact window and sinks: attention reads the last ``window`` tokens
 and the first ``sinks`` exactly and every other token from its codes.
 
-The reference is independent of the cache: ``tq_jax.kvcache.reference.attend``, dense
+The reference is independent of the cache: ``tq_jax._src.kvcache.reference.attend``, dense
 float64 attention over K/V built from the tokens as given (exact positions) and
 ``tq_jax.loads`` of ``tq_jax.dumps`` of the same tokens (the rest), and ``tq_jax.dumps``
 for the bytes.
@@ -16,7 +16,7 @@ import tq_jax
 from conftest import sweep
 from kvcache_helpers import D, H, attend_reference, dumps_kv, fill, with_impls
 from tq_jax import kvcache
-from tq_jax.kvcache.reference import dense_attention
+from tq_jax._src.kvcache.reference import dense_attention
 
 
 # (rotation, key_bits, value_bits, q_heads // kv_heads, page_size, window, sinks, q_len)
@@ -141,8 +141,8 @@ def test_presets_by_name_read_what_a_norm_corrected_blob_decodes_to(preset):
 
 
 def test_centroid_norms_match_the_length_of_the_decoded_unit_vector():
-    from tq_jax import codec
-    from tq_jax.kvcache import scoring
+    from tq_jax._src import codec
+    from tq_jax._src.kvcache import scoring
 
     rng = np.random.default_rng(8)
     for bits, rotation in ((2, "haar"), (3, "hadamard"), (4, "haar")):

@@ -1,4 +1,4 @@
-"""tq_jax._lru.LRU: bounded by entries and bytes, LRU order, thread safety, no tracers."""
+"""tq_jax._src._lru.LRU: bounded by entries and bytes, LRU order, thread safety, no tracers."""
 
 import threading
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tq_jax import _lru, blob, codebook, codec, rotation, wire
+from tq_jax._src import _lru, blob, codebook, codec, rotation, wire
 
 
 def test_bound_by_entry_count_evicts_least_recently_used():

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tq_jax import cli
-from tq_jax import safetensors_io as st
+from tq_jax._src import cli
+from tq_jax._src import safetensors_io as st
 
 from conftest import free_port
 
@@ -69,7 +69,7 @@ def test_four_devices_same_bytes_as_one(tmp_path):
     out = _run_py(
         f"""
         import jax
-        from tq_jax import cli
+        from tq_jax._src import cli
         print(len(jax.local_devices()))
         assert cli.main(["compress", {str(a)!r}, {str(tmp_path / 'four.safetensors')!r}, "-q", "--chunk-mb", "8"]) == 0
         assert cli.main(["decompress", {str(one)!r}, {str(tmp_path / 'back4.safetensors')!r}, "-q"]) == 0
@@ -149,6 +149,6 @@ def test_two_processes_share_one_failure(tmp_path):
 
 @pytest.mark.parametrize("sizes, count, want", [([5, 1, 1, 3], 2, [0, 1, 1, 1]), ([2, 2, 2], 3, [0, 1, 2])])
 def test_assignment_is_deterministic(sizes, count, want):
-    from tq_jax.distributed import assign
+    from tq_jax._src.distributed import assign
 
     assert assign(sizes, count) == want

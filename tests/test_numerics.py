@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import tq_jax
-from tq_jax import codebook, wire
+from tq_jax._src import codebook, wire
 
 from conftest import sweep
 

@@ -13,8 +13,8 @@ import dataclasses
 import pytest
 
 import tq_jax
-from tq_jax import cli, codebook, flags, rotation, wire
-from tq_jax import options as options_mod
+from tq_jax._src import cli, codebook, flags, rotation, wire
+from tq_jax._src import options as options_mod
 
 FIELDS = {f.name: f for f in dataclasses.fields(tq_jax.Options)}
 # compress flags that are not Options fields: files, runtime, the bits shorthand, presets.
@@ -160,7 +160,7 @@ def test_a_new_boolean_option_reaches_the_cli_with_no_other_edit():
 def registry():
     pytest.importorskip("torch")
     pytest.importorskip("lmcache")
-    from tq_jax.bridge import registry
+    from tq_jax.bridge._src import registry
 
     return registry
 
@@ -197,7 +197,7 @@ def test_bridge_errors_follow_the_field_metadata(registry):
 
 
 def test_serializer_keywords_follow_the_table(registry):
-    from tq_jax.bridge import serde
+    from tq_jax.bridge._src import serde
 
     ser = serde.TQJaxSerializer(bits=3, norm_bits=6, rotation="hadamard", checksum=True)
     assert ser.options == tq_jax.Options(3, 3, rotation="hadamard", norm_dtype="float16", checksum=True, norm_bits=6)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tq_jax.packing import pack, pack_planes, packed_nbytes, plane_count, plane_order, unpack, unpack_groups
+from tq_jax._src.packing import pack, pack_planes, packed_nbytes, plane_count, plane_order, unpack, unpack_groups
 
 # Produced by running the reference (docs/TQ01.md, "Packing"); LSB-first bit stream.
 GOLDEN = [

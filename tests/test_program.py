@@ -1,4 +1,4 @@
-"""The resolved plan (tq_jax.plan) and the device executor (tq_jax.program).
+"""The resolved plan (tq_jax._src.plan) and the device executor (tq_jax._src.program).
 
 The independent expectation for every blob is the host block driver's bytes (pinned
 against the reference plugin in tests/test_interop.py): the device program, run on
@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 import tq_jax
-from tq_jax import blocks as blocks_mod
-from tq_jax import plan as plan_mod
-from tq_jax import program as program_mod
-from tq_jax import resident as resident_mod
-from tq_jax import wire
+from tq_jax._src import blocks as blocks_mod
+from tq_jax._src import plan as plan_mod
+from tq_jax._src import program as program_mod
+from tq_jax._src import resident as resident_mod
+from tq_jax._src import wire
 
 from conftest import sweep
 from device_path_helpers import assert_decoded_like, options_from, random_input
@@ -187,12 +187,12 @@ def test_peak_temporary_memory_is_one_block_not_the_tensor():
         enc = program_mod.encoder(plan, block, CPU, jnp.dtype(jnp.bfloat16)).lower(x).compile().memory_analysis()
         blob = jnp.zeros(plan.nbytes, jnp.uint8)
         coded = tuple(jnp.zeros(s.n_vectors, jnp.float32) for s in plan.segments)
-        tables = tuple(tq_jax.codec.device_tables(s.config, CPU) for s in plan.segments)
+        tables = tuple(tq_jax._src.codec.device_tables(s.config, CPU) for s in plan.segments)
         dec = program_mod.decoder(plan, block, CPU, jnp.dtype(jnp.bfloat16)).lower(blob, coded, tables).compile()
         dec = dec.memory_analysis()
         bound = program_mod.temp_bound(plan, block)
         # on the CPU backend a bfloat16 output is built as uint16 and bitcast at the end:
-        # one copy of the output (tq_jax.program.decoder); accelerators build it in place
+        # one copy of the output (tq_jax._src.program.decoder); accelerators build it in place
         carried = dec.output_size_in_bytes
         assert enc.temp_size_in_bytes <= bound and dec.temp_size_in_bytes <= bound + carried, (enc, dec, bound)
         assert enc.output_size_in_bytes >= plan.nbytes  # the blob itself is the output

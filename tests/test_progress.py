@@ -16,8 +16,8 @@ import types
 import numpy as np
 import pytest
 
-from tq_jax import batch
-from tq_jax.batch import run as batch_run
+from tq_jax._src import batch
+from tq_jax._src.batch import run as batch_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -26,8 +26,9 @@ import numpy as np  # noqa: E402
 from lmcache.v1.distributed.api import GroupedObjectKeys, MemoryLayoutDesc, ObjectKey, PrefetchTaskSpec  # noqa: E402
 
 import tq_jax  # noqa: E402
-from tq_jax.bridge import register, registry  # noqa: E402
-from tq_jax.bridge.serde import KEY_TRAILER_BYTES, describe_key  # noqa: E402
+from tq_jax.bridge import register  # noqa: E402
+from tq_jax.bridge._src import registry  # noqa: E402
+from tq_jax.bridge._src.serde import KEY_TRAILER_BYTES, describe_key  # noqa: E402
 
 from bridge_util import Events, build_manager  # noqa: E402
 from redis_server import module_redis_server, redis_server, small_redis_server  # noqa: E402, F401 (fixtures)
@@ -416,7 +417,7 @@ def test_server_stalled_then_resumed(redis_server, open_store):  # noqa: F811
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["compat-4bit", "turbo-3.5"])
 def test_resp_reconnect_same_manager_after_restart(redis_server, open_store, preset):  # noqa: F811
-    """``resp_reconnect`` (tq_jax.bridge.reconnect): SIGKILL mid-store, restart empty on the
+    """``resp_reconnect`` (tq_jax.bridge._src.reconnect): SIGKILL mid-store, restart empty on the
     same port, and the SAME StorageManager stores and loads again, loads equal to the
     stored blobs' decode."""
     st = open_store(redis_server.port, preset, adapter={"type": "resp_reconnect", "reconnect_interval": 0.2})
@@ -453,7 +454,7 @@ def test_resp_reconnect_same_manager_after_restart(redis_server, open_store, pre
 
 
 def test_resp_reconnect_config_errors():
-    from tq_jax.bridge.reconnect import ReconnectingRESPConfig
+    from tq_jax.bridge._src.reconnect import ReconnectingRESPConfig
 
     cfg = ReconnectingRESPConfig.from_dict({"host": "127.0.0.1", "port": 6379, "reconnect_interval": 0.5})
     assert (cfg.reconnect_interval, cfg.probe_timeout, cfg.num_workers) == (0.5, 2.0, 8)
@@ -494,7 +495,7 @@ def test_resp_reconnect_server_down_at_start_up(redis_server, open_store, caplog
     once, fails every store and misses every lookup at once (no hang), and serves from
     the store as soon as it answers, in the same StorageManager."""
     redis_server.kill()
-    caplog.set_level(logging.WARNING, logger="tq_jax.bridge.reconnect")
+    caplog.set_level(logging.WARNING, logger="tq_jax.bridge._src.reconnect")
     st = open_store(redis_server.port, "turbo-3.5", adapter={"type": "resp_reconnect", "reconnect_interval": 0.2})
     (said,) = [r.getMessage() for r in caplog.records if "does not answer at start-up" in r.getMessage()]
     assert f"127.0.0.1:{redis_server.port}" in said and "the engine computes" in said

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tq_jax.rotation import haar_rotation, qjl_matrix, torch_randn
+from tq_jax._src.rotation import haar_rotation, qjl_matrix, torch_randn
 
 DIMS = (2, 3, 8, 64, 80, 96, 128, 192, 576)
 SEEDS = (0, 42, -5, 2**31 + 7, 2**32 + 42)
@@ -244,7 +244,7 @@ def test_haar_rotation_ignores_the_blas_kernel():
     host's); rounded to float32 they do not (measured: 4 OpenBLAS kernels, d <= 576).
     Nor with its threads: the host's kernel on 2 threads (conftest gives this process one)."""
     code = (
-        "import hashlib, json, sys; from tq_jax.rotation import haar_rotation; "
+        "import hashlib, json, sys; from tq_jax._src.rotation import haar_rotation; "
         "print(json.dumps([hashlib.sha256(haar_rotation(d, s).tobytes()).hexdigest()[:32] "
         f"for d, s in {list(GOLDEN_HAAR)!r}]))"
     )
@@ -370,7 +370,7 @@ def test_bad_other_args():
 
 def test_does_not_import_torch():
     code = (
-        "import sys, tq_jax.rotation as r; r.haar_rotation(16, 3); r.qjl_matrix(16, 8, 3); "
+        "import sys, tq_jax._src.rotation as r; r.haar_rotation(16, 3); r.qjl_matrix(16, 8, 3); "
         "bad = [m for m in ('scipy', 'torch') if m in sys.modules]; "
         "assert not bad, bad"
     )

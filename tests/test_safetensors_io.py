@@ -1,4 +1,4 @@
-"""tq_jax.safetensors_io: round trips, interop with the `safetensors` package, hostile headers."""
+"""tq_jax._src.safetensors_io: round trips, interop with the `safetensors` package, hostile headers."""
 
 import json
 import os
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hst
 
-from tq_jax import safetensors_io as st
+from tq_jax._src import safetensors_io as st
 
 
 def _arrays():

@@ -15,8 +15,9 @@ import pytest
 
 import tq_jax
 from conftest import sweep
-from tq_jax import cli, kvcache
-from tq_jax import safetensors_io as st
+from tq_jax._src import cli
+from tq_jax import kvcache
+from tq_jax._src import safetensors_io as st
 
 D = 64
 SHAPE = (2, 5, 16, 2, D)  # [K/V, layers, tokens, kv_heads, head_dim]
@@ -109,8 +110,8 @@ def test_bridge_preset_writes_the_same_blob(name):
     pytest.importorskip("lmcache")
     from bridge_util import byte_obj, key, layout, make_obj
 
-    from tq_jax.bridge import registry
-    from tq_jax.bridge import serde as S
+    from tq_jax.bridge._src import registry
+    from tq_jax.bridge._src import serde as S
 
     shape = (2, SHAPE[1], SHAPE[2], SHAPE[3] * D)  # LMCache's [2, L, T, H*D] chunk
     x = _kv()

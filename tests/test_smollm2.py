@@ -202,7 +202,7 @@ def test_ragged_kind_drives_the_pool_as_an_engine_and_matches_the_tq_kind():
     import jax
     import jax.numpy as jnp
 
-    from tq_jax.kvcache import ragged
+    from tq_jax._src.kvcache import ragged
 
     cfg = model.LlamaConfig(64, 64, 2, 4, 2, 32, 64, 10000.0, 1e-5, 128, True)
     rng = np.random.default_rng(0)
@@ -344,7 +344,7 @@ def _decode_logits(params, cfg, ids, kind, **settings):
         # these 80 positions; a wrong position, rotation or cache slot costs whole nats.
         ("tq", {"key_bits": 4, "value_bits": 4, "window": 0, "sinks": 0}, 0.25),
         ("tq", {"key_bits": 4, "value_bits": 3, "window": 0, "sinks": 0}, 0.3),
-        # the engine-facing form (tq_jax.kvcache.ragged) with its default window and sinks
+        # the engine-facing form (tq_jax._src.kvcache.ragged) with its default window and sinks
         ("ragged", {"key_bits": 4, "value_bits": 4}, 0.25),
     ],
 )

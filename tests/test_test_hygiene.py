@@ -3,7 +3,7 @@
 A reference another test imports from a test module runs that module's collection-time
 code and ties two files' fixtures together; a study (``benchmarks/studies/``) answered a
 question once and is not the library. The references live in the package
-(``tq_jax.kvcache.reference``), shared fixtures in helper modules that are not tests
+(``tq_jax._src.kvcache.reference``), shared fixtures in helper modules that are not tests
 (``conftest.py``, ``kvcache_helpers.py``, ``device_path_helpers.py``, ...). Checked from the
 sources of every ``tests/*.py``, imports inside functions included.
 """
@@ -62,6 +62,6 @@ def test_no_test_imports_another_test_or_a_study():
     found = {f"tests/{p.name}": bad for p in paths if (bad := offences(p.read_text()))}
     assert not found, (
         f"tests import other tests or studies: {found}. Import references from the package "
-        "(tq_jax.kvcache.reference) and shared fixtures from a helper module that is not a test "
+        "(tq_jax._src.kvcache.reference) and shared fixtures from a helper module that is not a test "
         "(conftest.py, kvcache_helpers.py, ...)."
     )

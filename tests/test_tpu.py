@@ -27,10 +27,10 @@ import pytest
 import tq_jax
 from kvcache_helpers import D, H, attend_reference, fill
 from tq_jax import kvcache
-from tq_jax import options as tq_options
-from tq_jax import plan as tq_plan
-from tq_jax import program
-from tq_jax.kvcache import exact, pallas_tpu, ragged, scoring, target
+from tq_jax._src import options as tq_options
+from tq_jax._src import plan as tq_plan
+from tq_jax._src import program
+from tq_jax._src.kvcache import exact, pallas_tpu, ragged, scoring, target
 
 KERNEL = "tpu_custom_call"
 
@@ -158,7 +158,7 @@ def test_impl_on_a_tpu_pallas_is_the_kernel_and_auto_the_xla_loop():
     assert _custom_calls(exported.mlir_module()) == [KERNEL]
 
 
-# The engine-facing form (tq_jax.kvcache.ragged): a step of write + ragged attend, flat
+# The engine-facing form (tq_jax._src.kvcache.ragged): a step of write + ragged attend, flat
 # batch of 8 query tokens over 4 sequences; (head_dim, page_size, preset, window+sinks).
 RAGGED = [(64, 16, None, True), (128, 64, "turbo-3.5", True), (256, 16, "turbo-2.5", False)]
 
@@ -260,9 +260,9 @@ def test_cli_device_path_programs_lower_for_tpu(tmp_path, monkeypatch):
     is run here with the device path taken on the CPU (resident.ON_CPU), which records
     every (plan, block, dtype) it compiles; each is then exported for a TPU. The files
     are the host block driver's, byte for byte."""
-    from tq_jax import resident
-    from tq_jax import safetensors_io as st
-    from tq_jax.cli import main
+    from tq_jax._src import resident
+    from tq_jax._src import safetensors_io as st
+    from tq_jax._src.cli import main
 
     rng = np.random.default_rng(0)
     src = tmp_path / "kv.safetensors"

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import tq_jax
-from tq_jax import norms as log_norms
-from tq_jax import wire
+from tq_jax._src import norms as log_norms
+from tq_jax._src import wire
 
 from conftest import cosine
 
@@ -220,7 +220,7 @@ def test_mutated_header_and_norm_sections_raise_only_wire_errors():
 
 
 def test_preset_options_in_the_bridge():
-    registry = pytest.importorskip("tq_jax.bridge.registry")
+    registry = pytest.importorskip("tq_jax.bridge._src.registry")
     o = registry.parse_options({"preset": "turbo-3.5", "head_dim": 64})
     assert o.codec_options()["norm_bits"] == 6 and o.codec_options()["key_bits"] == 4
     with pytest.raises(ValueError, match="norm_bits"):

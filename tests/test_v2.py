@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import tq_jax
-from tq_jax import codebook, codec, rotation, wire
+from tq_jax._src import codebook, codec, rotation, wire
 
 from conftest import cosine, sweep
 

@@ -44,8 +44,8 @@ torch = pytest.importorskip("torch")
 from lmcache.v1.distributed.api import MemoryLayoutDesc  # noqa: E402
 
 import tq_jax  # noqa: E402
-from tq_jax import frames  # noqa: E402
-from tq_jax.bridge import registry  # noqa: E402
+from tq_jax._src import frames  # noqa: E402
+from tq_jax.bridge._src import registry  # noqa: E402
 
 from examples.vllm_lmcache.__main__ import leading_agreement, wait_for_l2  # noqa: E402
 from examples.vllm_lmcache.convert import convert  # noqa: E402
@@ -177,7 +177,7 @@ def test_the_cpu_kernels_key_order_is_the_serdes():
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    from tq_jax.bridge import layouts
+    from tq_jax.bridge._src import layouts
 
     nb, nh, bs, hs = 3, 3, 128, 64
     isa = _get_attn_isa(torch.bfloat16, bs, hs)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import tq_jax
-from tq_jax import wire
+from tq_jax._src import wire
 
 
 def _blob(shape=(2, 3, 8), bits=4, dtype="float32", seed=7):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import tq_jax
-from tq_jax import wire
+from tq_jax._src import wire
 
 RNG = np.random.default_rng(0)
 

@@ -19,10 +19,10 @@ import sys
 
 # Layers (docs/architecture.md); the modules beside the layers sit with the layer they serve.
 LAYER = {
-    "tq_jax.codebook": 1, "tq_jax.rotation": 2, "tq_jax.packing": 3, "tq_jax._kernels": 3.5, "tq_jax.norms": 3.5,
-    "tq_jax.codec": 4, "tq_jax.frames": 5, "tq_jax.wire": 5, "tq_jax.options": 5.5,
-    "tq_jax.blocks": 6, "tq_jax.plan": 6, "tq_jax.program": 6, "tq_jax.resident": 6, "tq_jax._lru": 6,
-    "tq_jax.blob": 7, "tq_jax": 8,
+    "tq_jax._src.codebook": 1, "tq_jax._src.rotation": 2, "tq_jax._src.packing": 3, "tq_jax._src._kernels": 3.5, "tq_jax._src.norms": 3.5,
+    "tq_jax._src.codec": 4, "tq_jax._src.frames": 5, "tq_jax._src.wire": 5, "tq_jax._src.options": 5.5,
+    "tq_jax._src.blocks": 6, "tq_jax._src.plan": 6, "tq_jax._src.program": 6, "tq_jax._src.resident": 6, "tq_jax._src._lru": 6,
+    "tq_jax._src.blob": 7, "tq_jax": 8,
 }
 
 
@@ -72,7 +72,7 @@ def walk(fn, *args, **kwargs) -> list[str]:
 def summary(seq: list[str]) -> dict:
     climbs = sum(1 for a, b in zip(seq, seq[1:]) if LAYER.get(b, 0) > LAYER.get(a, 0))
     return {"stops": len(seq), "modules": len(set(seq)), "climbs": climbs,
-            "walk": " → ".join(m.removeprefix("tq_jax.") for m in seq)}
+            "walk": " → ".join(m.removeprefix("tq_jax._src.").removeprefix("tq_jax.") for m in seq)}
 
 
 def main() -> None:

@@ -80,7 +80,7 @@ def seed_corpus(np, tq_jax):
 
     def x(shape, dtype="float32", scale=1.0):
         a = rng.standard_normal(shape).astype(np.float32) * scale
-        return a.astype(tq_jax.blob.jnp.dtype(dtype))
+        return a.astype(tq_jax._src.blob.jnp.dtype(dtype))
 
     for bits in (2, 3, 4, 6, 8):
         out.append((f"v1-b{bits}", tq_jax.dumps(x((2, 3, 4, 16)), bits=bits)))
@@ -321,7 +321,7 @@ def table_allowance(h, wire) -> tuple[int, str | None]:
 
 
 def compiled_programs(tq_jax) -> int:
-    return tq_jax.blob.compiled_programs()
+    return tq_jax._src.blob.compiled_programs()
 
 
 def rss_mib() -> float:
@@ -334,7 +334,7 @@ class Runner:
         import numpy as np
 
         import tq_jax
-        from tq_jax import wire
+        from tq_jax._src import wire
 
         self.np, self.tq_jax, self.wire = np, tq_jax, wire
         self.args = args
@@ -455,7 +455,7 @@ class BridgeCheck:
 
         from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj  # noqa: PLC0415
 
-        from tq_jax.bridge import dlpack, serde  # noqa: PLC0415
+        from tq_jax.bridge._src import dlpack, serde  # noqa: PLC0415
 
         def make_obj(shapes, dtypes):
             """A TensorMemoryObj over fresh 4096-byte-aligned memory (LMCache's L1 alignment)."""
@@ -543,7 +543,7 @@ def leak_check(n: int) -> str:
     import numpy as np
 
     import tq_jax
-    from tq_jax import wire
+    from tq_jax._src import wire
 
     x = np.random.default_rng(0).standard_normal((2, 3, 4, 16)).astype(np.float32)
     blobs = [tq_jax.dumps(x, bits=b, seed=s) for b in (2, 4) for s in range(3)]
@@ -573,7 +573,7 @@ def leak_check(n: int) -> str:
             samples.append((i + 1, round((tracemalloc.get_traced_memory()[0] - t0) / MIB, 2), round(rss_mib() - rss0, 1)))
     tracemalloc.stop()
     return (f"- leak check: {n} decodes with fresh seeds + {n * len(bad)} refused blobs; growth (decodes, traced MiB, "
-            f"RSS MiB) {samples}; device-table cache {len(tq_jax.codec.CACHES['device tables'])} entries")
+            f"RSS MiB) {samples}; device-table cache {len(tq_jax._src.codec.CACHES['device tables'])} entries")
 
 
 # ----------------------------------------------------------------------------- atheris
@@ -584,7 +584,7 @@ def atheris_main(runs: int, corpus_dir: str) -> None:
 
     with atheris.instrument_imports(include=["tq_jax"]):
         import tq_jax
-        from tq_jax import wire
+        from tq_jax._src import wire
 
     def target(data: bytes) -> None:
         try:
@@ -661,7 +661,7 @@ def main(argv=None) -> int:
             rss_samples.append((i, round(rss_mib(), 1)))
             print(f"[{i}/{args.cases}] {time.time() - t_start:.0f}s rss {rss_samples[-1][1]} MiB "
                   f"programs {programs + compiled_programs(run.tq_jax)} device tables "
-                  f"{len(run.tq_jax.codec.CACHES['device tables'])} findings {len(run.findings)} "
+                  f"{len(run.tq_jax._src.codec.CACHES['device tables'])} findings {len(run.findings)} "
                   f"seconds {dict((k, round(v)) for k, v in run.seconds.items())}", flush=True)
     programs += compiled_programs(run.tq_jax)
     rss_samples.append((args.cases, round(rss_mib(), 1)))
@@ -697,7 +697,7 @@ def main(argv=None) -> int:
         f"- slowest decode: {run.slowest[0] * 1e3:.0f} ms ({run.slowest[1]})",
         f"- compiled programs (decode signatures met, summed over JIT clears every "
         f"{args.clear_jit_every} cases): {programs}; device-table cache at the end: "
-        f"{len(run.tq_jax.codec.CACHES['device tables'])} entries",
+        f"{len(run.tq_jax._src.codec.CACHES['device tables'])} entries",
         f"- RSS: {rss0:.0f} MiB after start-up, samples (case, MiB) {rss_samples}, ru_maxrss {maxrss:.0f} MiB",
         "- time by case kind (s): " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(run.seconds.items())),
         leak,

@@ -2,6 +2,6 @@
 
 import sys
 
-from tq_jax.cli import main
+from tq_jax._src.cli import main
 
 sys.exit(main())

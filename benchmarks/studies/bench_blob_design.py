@@ -6,7 +6,7 @@ with a device_put first), numpy staging of unaligned blocks (~36 us against 190-
 for XLA's copy), and 2**19 coordinates per CPU block (within 5 % of 2**20 today, kept
 because the block size can move the last bit of float32 norms). Written in
 benchmarks/results/design_notes.md ("Block driver"); the choices live in
-tq_jax/blocks.py.
+tq_jax/_src/blocks.py.
 
 The measurements behind three choices of the block driver, re-run side by side:
 
@@ -31,7 +31,7 @@ import numpy as np
 
 import tq_jax
 from benchmarks.timing import best_of
-from tq_jax import blocks
+from tq_jax._src import blocks
 
 W1 = (2, 32, 256, 8, 128)
 

@@ -11,7 +11,7 @@ benchmarks/results/capability.md.
 The reference (``lmcache-turbo-quant-serde`` 0.1.0 on ``tqai`` 0.6.1) builds its rotation
 as ``Q = qr(torch.randn(d, d, generator=manual_seed(seed)))`` in float32 on the machine
 that runs it; tq_jax replays torch's AVX2 ``randn`` kernel in numpy and does the QR in
-float64 (:mod:`tq_jax.rotation`). This script runs the reference in one subprocess per
+float64 (:mod:`tq_jax._src.rotation`). This script runs the reference in one subprocess per
 setting and reports, against tq_jax:
 
 * ``G`` (``torch.randn(d*d)``): bit-equal fraction and max |ΔG|;
@@ -146,7 +146,7 @@ def w1_indices(dim: int, bits: int, q: np.ndarray, w1) -> np.ndarray:
     import jax
     import jax.numpy as jnp
 
-    from tq_jax import _kernels, codec
+    from tq_jax._src import _kernels, codec
 
     tabs = codec.tables(codec.CodecConfig(dim=dim, bits=bits, seed=W1_SEED))
     rot = codec.RotationOp(dense=jnp.asarray(q))
@@ -174,7 +174,7 @@ def main() -> None:
     import jax.numpy as jnp
 
     import tq_jax
-    from tq_jax.rotation import haar_rotation, torch_randn
+    from tq_jax._src.rotation import haar_rotation, torch_randn
 
     seeds = SEEDS[: 2 if args.quick else None]
     flags = ""

@@ -50,7 +50,7 @@ from jax import lax
 from benchmarks.studies.passkey_codec_probe import codec, split_codec
 from examples.smollm2 import model
 from examples.smollm2.passkey import build_prompts, random_keys
-from tq_jax import codebook
+from tq_jax._src import codebook
 
 ISO_BITS = (3, 4, 5, 6, 7, 8)
 SPLITS = ((16, 6, 3), (16, 7, 3), (16, 8, 3), (32, 5, 3), (8, 8, 3))  # (m, hi, lo)

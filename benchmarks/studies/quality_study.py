@@ -162,7 +162,7 @@ def speed_table(rounds=7) -> list[str]:
     # aligned buffer (a copy: XLA reads only 64-byte-aligned host memory in place);
     # LMCache's L1 hands the bridge 64-byte-aligned memory, and a CPU jax.Array is
     # aligned too. All three inputs are timed.
-    aligned = tq_jax.blocks.aligned_empty(w1.shape, w1.dtype)
+    aligned = tq_jax._src.blocks.aligned_empty(w1.shape, w1.dtype)
     aligned[...] = w1
     settings = (
         ("4 bit haar (v1)", dict(bits=4), w1),
@@ -173,7 +173,7 @@ def speed_table(rounds=7) -> list[str]:
                                              rotation="hadamard", norm_correction=True, checksum=True), w1),
     )
     copy_dst = np.empty_like(w1)  # memcpy into a preallocated buffer: the stable floor
-    out = tq_jax.blocks.aligned_empty(w1.shape, w1.dtype)  # decode into one too, as LMCache's L1 does
+    out = tq_jax._src.blocks.aligned_empty(w1.shape, w1.dtype)  # decode into one too, as LMCache's L1 does
     blobs = [tq_jax.dumps(x, **opts) for _, opts, x in settings]
     for b in blobs:
         tq_jax.loads(b).block_until_ready()

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from tq_jax import kvcache
-from tq_jax.kvcache import pallas_tpu, ragged
+from tq_jax._src.kvcache import pallas_tpu, ragged
 
 KERNEL = "tpu_custom_call"
 

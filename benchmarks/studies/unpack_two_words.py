@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tq_jax import _kernels, codec, norms, packing
+from tq_jax._src import _kernels, codec, norms, packing
 
 
 def vector_shift_unpack(packed, bits: int, n: int):

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import tq_jax
-from tq_jax.bridge import layouts
+from tq_jax.bridge._src import layouts
 
 LAYERS, BLOCK, CHUNK = 30, 128, 256
 SETTINGS = {

@@ -12,18 +12,18 @@
     with model.mesh:                         # or EasyDeL's own generation loop
         out = model.generate(input_ids, attention_mask=mask, max_new_tokens=64, do_sample=False)
 
-Under eSurge every layer's K/V live in a :class:`tq_jax.kvcache.ragged.Pool` (packed
+Under eSurge every layer's K/V live in a :class:`tq_jax._src.kvcache.ragged.Pool` (packed
 TurboQuant codes and float16 norms, plus small exact pools for each sequence's recent
-window and sinks), written once per token and read by :func:`tq_jax.kvcache.ragged.attend`,
+window and sinks), written once per token and read by :func:`tq_jax._src.kvcache.ragged.attend`,
 which scores the codes directly. eSurge's scheduler, page allocator and batch preparation
 are EasyDeL's own: the pool takes the page indices eSurge gives. Under ``model.generate``
 (which builds no ragged metadata) every layer holds a per-sequence
-:class:`tq_jax.kvcache.KVCache` instead (:class:`SequenceCacheView`), written by
-:func:`tq_jax.kvcache.append` and read by :func:`tq_jax.kvcache.attend`; left padding is
+:class:`tq_jax._src.kvcache.KVCache` instead (:class:`SequenceCacheView`), written by
+:func:`tq_jax._src.kvcache.append` and read by :func:`tq_jax._src.kvcache.attend`; left padding is
 dropped when the prompt is written, other padding is refused.
 
-This module only maps names: the caches and their attention are :mod:`tq_jax.kvcache`
-and :mod:`tq_jax.kvcache.ragged` (tested without EasyDeL). EasyDeL has no registry of cache
+This module only maps names: the caches and their attention are :mod:`tq_jax._src.kvcache`
+and :mod:`tq_jax._src.kvcache.ragged` (tested without EasyDeL). EasyDeL has no registry of cache
 classes, so it makes five changes to the installed package, each of which dispatches on
 this module's own types or settings and otherwise calls EasyDeL's code unchanged
 (:func:`install`; :func:`uninstall` undoes them):
@@ -32,8 +32,8 @@ this module's own types or settings and otherwise calls EasyDeL's code unchanged
    carries settings (:func:`use`), the ragged cache config is a :class:`CodesCacheConfig`.
 2. ``RaggedPagesCacheView.init``: a :class:`CodesCacheConfig` gives a :class:`CodesCacheView`.
 3. ``_RaggedPageAttn.forward_native`` (the ``ragged_page_attention_v3`` operation's):
-   a :class:`CodesCacheView` is attended by :func:`tq_jax.kvcache.ragged.attend`, a
-   :class:`SequenceCacheView` by :func:`tq_jax.kvcache.attend`. This is where EasyDeL
+   a :class:`CodesCacheView` is attended by :func:`tq_jax._src.kvcache.ragged.attend`, a
+   :class:`SequenceCacheView` by :func:`tq_jax._src.kvcache.attend`. This is where EasyDeL
    dispatches its own ``TurboQuantRaggedPagesCacheView``, one level down.
 4. ``EasyGenerationMixin.init_operations_cache``: for a model that carries settings and
    no ragged (or unified) config given — ``model.generate``'s call; eSurge always passes
@@ -56,10 +56,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tq_jax import kvcache
-from tq_jax import options as _options
-from tq_jax.kvcache import ragged
-from tq_jax.kvcache import state as _kv_state
+from tq_jax._src import kvcache
+from tq_jax._src import options as _options
+from tq_jax._src.kvcache import ragged
+from tq_jax._src.kvcache import state as _kv_state
 
 __all__ = ["EASYDEL_VERSION", "CONFIG_KEY", "CodesCacheConfig", "CodesCacheView", "SequenceCacheView", "install",
            "uninstall", "installed", "use", "settings", "rpa_slots", "cache_nbytes"]
@@ -95,7 +95,7 @@ NO_METADATA = (
     "per-sequence cache); to serve, use eSurge (ed.eSurge(model=model, ...))."
 )
 PADDING = (
-    "model.generate on tq_jax's cache takes left-padded prompts only, but row {row}'s mask is {mask}: tq_jax.kvcache "
+    "model.generate on tq_jax's cache takes left-padded prompts only, but row {row}'s mask is {mask}: tq_jax._src.kvcache "
     "keeps each sequence's tokens contiguous from position 0 and attends causally, so it can drop leading padding "
     "but cannot mask a token after the first real one. {why}Pass attention_mask= with zeros only before each "
     "prompt (a tokenizer with padding_side='left'), or generate the rows one by one."
@@ -114,7 +114,7 @@ OWN_MASK_INFO = (
 )
 GENERATE_WINDOW = (
     "this layer attends over a sliding window of {window} tokens, shorter than model.generate's {max_len}: "
-    "tq_jax.kvcache.attend sees every earlier token of the sequence, so it would attend past the window. Generate "
+    "tq_jax._src.kvcache.attend sees every earlier token of the sequence, so it would attend past the window. Generate "
     "at most {window} tokens in all (prompt + new), serve it with eSurge (whose ragged attention honours the window), "
     "or with EasyDeL's own cache (tq_easydel.use(model, False))."
 )
@@ -123,7 +123,7 @@ NOT_ATTENTION_ONLY = (
     "cache is a {view}: serve this model with EasyDeL's own cache (tq_easydel.use(model, False))."
 )
 UNSUPPORTED = (
-    "{what} is not supported by tq_jax's ragged attention (tq_jax.kvcache.ragged.attend takes a softmax scale and "
+    "{what} is not supported by tq_jax's ragged attention (tq_jax._src.kvcache.ragged.attend takes a softmax scale and "
     "a sliding window only); serve this model with EasyDeL's own cache (tq_easydel.use(model, False) removes the "
     "settings)."
 )
@@ -140,14 +140,14 @@ def settings(options=None, *, window: int | None = None, sinks: int | None = Non
         options: None (4-bit keys and values), a preset name of :data:`tq_jax.PRESETS`
             (``"turbo-4"``, ``"turbo-3.5"``, ``"turbo-2.5"``) or a :class:`tq_jax.Options`.
         window, sinks: each sequence's recent and first tokens read exactly
-            (:func:`tq_jax.kvcache.ragged.init_pool`'s defaults: 128 or 256, and 4).
+            (:func:`tq_jax._src.kvcache.ragged.init_pool`'s defaults: 128 or 256, and 4).
         max_seqs: sequences whose window and sinks are kept at once: eSurge's
             ``max_num_seqs``.
         num_pages: pages per layer; default: as many as the bytes eSurge would have
             given a bfloat16 cache buy (its ``hbm_utilization`` budget).
 
     Raises:
-        ValueError: what :func:`tq_jax.kvcache.ragged.init_pool` refuses, checked on a
+        ValueError: what :func:`tq_jax._src.kvcache.ragged.init_pool` refuses, checked on a
             one-head probe pool.
     """
     opts = _options_of(options)
@@ -161,7 +161,7 @@ def settings(options=None, *, window: int | None = None, sinks: int | None = Non
 
 
 def _options_of(options) -> _options.Options:
-    """``options`` as :func:`tq_jax.kvcache.init` takes them, or a stored :func:`settings` dict."""
+    """``options`` as :func:`tq_jax._src.kvcache.init` takes them, or a stored :func:`settings` dict."""
     return _options.Options(**options) if isinstance(options, dict) else _kv_state.resolve_options(options, {})
 
 
@@ -320,13 +320,13 @@ def cache_nbytes(cache) -> int:
 
 @auto_pytree
 class SequenceCacheView(RaggedPagesCacheView):
-    """One layer's per-sequence cache for ``model.generate``: a :class:`tq_jax.kvcache.KVCache`
+    """One layer's per-sequence cache for ``model.generate``: a :class:`tq_jax._src.kvcache.KVCache`
     (batch rows, each sequence's tokens contiguous from position 0, exact window and sinks).
 
     ``pads`` (int32 ``[batch]``) counts each row's leading padding not yet dropped: the
     first :meth:`concatenate_to_cache` (the prompt) shifts row ``b``'s K/V left by
     ``pads[b]`` and stores ``q_len - pads[b]`` tokens, then sets ``pads`` to 0. The
-    prompt's queries stay where they are: :func:`tq_jax.kvcache.attend` places query ``j``
+    prompt's queries stay where they are: :func:`tq_jax._src.kvcache.attend` places query ``j``
     of row ``b`` at ``lengths[b] - q_len + j = j - pads[b]``, the position its key got, and
     a padding query (a negative position) sees nothing. ``kv_pages`` is a placeholder
     scalar, as in :class:`CodesCacheView`.
@@ -343,7 +343,7 @@ class SequenceCacheView(RaggedPagesCacheView):
 
     def concatenate_to_cache(self, key, value, cache_metadata=None) -> "SequenceCacheView":
         """Append this step's K/V (``[batch, q_len, kv_heads, head_dim]``, RoPE applied)
-        through :func:`tq_jax.kvcache.append`, the prompt's leading padding dropped."""
+        through :func:`tq_jax._src.kvcache.append`, the prompt's leading padding dropped."""
         n = key.shape[1]
         cache = self.cache
         if not cache.config.paged:
@@ -393,7 +393,7 @@ def _leading_pads(model, input_ids, pad_token_id, attention_mask, mask_info) -> 
 
 def _sequence_cache(model, values: dict, batch_size: int, max_length: int, starts, dtype=None):
     """``model.generate``'s cache: a HybridCache of :class:`SequenceCacheView`, one
-    :func:`tq_jax.kvcache.init` cache of ``max_length`` tokens per layer, exact tokens in
+    :func:`tq_jax._src.kvcache.init` cache of ``max_length`` tokens per layer, exact tokens in
     ``dtype`` (default the model's ``kvdtype``)."""
     from easydel.caching import HybridCache
 
@@ -439,7 +439,7 @@ def _window_tokens(logits_soft_cap, sliding_window, softmax_aux):
 
 def _attend_sequences(query, cache_view: SequenceCacheView, softmax_scale=None, logits_soft_cap=None,
                       sliding_window=None, softmax_aux=None, **_):
-    """``model.generate``'s attention: :func:`tq_jax.kvcache.attend` (which scales by
+    """``model.generate``'s attention: :func:`tq_jax._src.kvcache.attend` (which scales by
     ``1/sqrt(head_dim)``) on the query rescaled to the model's softmax scale."""
     window = _window_tokens(logits_soft_cap, sliding_window, softmax_aux)
     max_len = cache_view.cache.config.max_len
