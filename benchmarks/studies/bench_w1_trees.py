@@ -1,9 +1,10 @@
 """Study tool. Question: is a change neutral for the codec's W1 speed on the CPU?
 
 Answer, each time it was asked: yes, within noise, for the module splits, the layer
-restructuring with the device path, and the resolved plan; the runs are
-benchmarks/results/w1_*_before_after.md, cited from README.md's "Numbers". Run it before
-merging a restructuring of the blob path.
+restructuring with the device path, the resolved plan and the straight load and write
+paths (each run was committed with its change as benchmarks/results/w1_*_before_after.md,
+since removed from the tree as a record of the process; git history keeps them). Run it
+before merging a restructuring of the blob path.
 
 W1 speed of two source trees, interleaved.
 
