@@ -108,4 +108,4 @@ def decode_log_norms(ranges: np.ndarray, codes: np.ndarray, bits: int, n: int) -
         table = np.exp(lo + (levels - 1) * step)
     table[:, 0] = 0
     flat = c + (np.arange(groups, dtype=np.int32) << bits)[:, None]  # row g's codes index table[g]
-    return np.take(table.astype(np.float32).reshape(-1), flat).reshape(-1)
+    return np.take(table.reshape(-1), flat).reshape(-1)  # float32 throughout: no cast

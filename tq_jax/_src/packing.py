@@ -242,11 +242,11 @@ def unpack_groups(packed: UInt8[Array, "*batch nbytes"], bits: int, n: int) -> U
 
     Each group's ``G*bits/8`` bytes (1 to 7) are read as one or two little-endian
     uint32 words. Within one word (1, 2, 3, 4, 6 and 8 bits) lane ``i`` shifts its
-    index out by a constant vector across the lanes; across two words (5 and 7 bits) each lane is its own element-wise loop with
-    scalar shifts from only the words it overlaps, which XLA's CPU backend fuses
-    with the codebook lookup (the timing behind the split:
-    benchmarks/results/design_notes.md). The output is in natural order, so it needs
-    no transpose back from planes.
+    index out by a constant vector across the lanes; across two words (5 and 7 bits)
+    each lane is its own element-wise loop with scalar shifts from only the words it
+    overlaps, which XLA's CPU backend fuses with the codebook lookup (the timing
+    behind the split: benchmarks/results/design_notes.md). The output is in natural
+    order, so it needs no transpose back from planes.
 
     Args:
         packed: uint8 ``(..., n*bits/8)`` byte-aligned rows.

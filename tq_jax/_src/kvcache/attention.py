@@ -165,7 +165,8 @@ def attend(
             exported on a CPU for a TPU holds the Mosaic kernel. docs/accelerator.md and
             docs/tpu.md say which runs where and why.
         tuning: the GPU kernel's static knobs (:class:`tq_jax._src.kvcache.pallas_gpu.Tuning`),
-            used when the kernel runs (``impl`` ``"pallas_gpu"``, or ``"auto"`` resolving to it); None is its default, the float32-level ``mode="exact"``.
+            used when the kernel runs (``impl`` ``"pallas_gpu"``, or ``"auto"`` resolving
+            to it); None is its default, the float32-level ``mode="exact"``.
             ``pallas_gpu.BF16_TUNING`` (``mode="bf16"``) has dense bf16 attention's
             accuracy instead. Refused with an ``impl`` that can never run the GPU kernel.
 
