@@ -138,8 +138,8 @@ def test_two_processes_agree_and_share_a_failure():
 @pytest.mark.slow
 def test_a_one_process_job_is_none():
     code = (
-        "import sys, jax; from tq_jax import distributed; "
-        "c = distributed.initialize(f'127.0.0.1:{sys.argv[1]}', 1, 0); "
+        "import sys, jax; from tq_jax.batch import initialize; "
+        "c = initialize(f'127.0.0.1:{sys.argv[1]}', 1, 0); "
         "assert c is None and jax.distributed.is_initialized(), c; print('ok')"
     )
     got = subprocess.run([sys.executable, "-c", code, str(free_port())], cwd=ROOT, env=_env(),
