@@ -21,7 +21,7 @@ Steps:
    the device program alone (``tq_jax._src.program``: the blob in device memory, no host
    transfer, both ways); the host-link floor (the blob's bytes alone, each way); the full
    ``dumps(jax.Array)`` / ``loads(device=d)`` with the program and with the per-block
-   executor it replaced (``[blocks]``, ``tq_jax._src.resident.EXECUTOR``), so that one run
+   executor it replaced (``[blocks]``, the calls' ``executor="blocks"``), so that one run
    measures before and after; and the LMCache bridge's data path, ``dump_into`` /
    ``load_into`` of a host chunk with ``device=d`` (what ``bridge/_src/serde.py`` calls), in
    GB/s of raw KV. The full rows give their share of the host-link floor's throughput.
@@ -51,7 +51,6 @@ Timing: ``block_until_ready``, the first call (compile) excluded, median of ``--
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import math
@@ -308,20 +307,6 @@ def step_correctness(dev, sizes: Sizes, keep_going: bool) -> list:
 # --------------------------------------------------------------------------- step 2: codec
 
 
-@contextlib.contextmanager
-def executor(name: str, dev):
-    """Run the codec's device path with executor ``name`` (``tq_jax._src.resident.EXECUTORS``:
-    the compiled program, or the per-block dispatch it replaced), on CPU devices too."""
-    from tq_jax._src import resident
-
-    old = resident.EXECUTOR, resident.ON_CPU
-    resident.EXECUTOR, resident.ON_CPU = name, dev.platform == "cpu" or resident.ON_CPU
-    try:
-        yield
-    finally:
-        resident.EXECUTOR, resident.ON_CPU = old
-
-
 def step_codec(dev, sizes: Sizes, table: list):
     """Codec rows (see the module docstring): the device program alone, the full
     dumps/loads of each executor, the host-link floor, and the bridge's data path."""
@@ -352,8 +337,7 @@ def step_codec(dev, sizes: Sizes, table: list):
         for name, kw in CODEC_OPTIONS:
             opts = tq_jax.encode_options(**kw)
             case = f"{shape_name} {name}"
-            with executor("program", dev):
-                blob = tq_jax.dumps(xd, options=opts)
+            blob = tq_jax.dumps(xd, options=opts, executor="program")
             plan = tq_plan.for_tensor(shape, "bfloat16", opts)
             block = program.block_vectors(plan, None, dev)
             enc = program.encoder(plan, block, dev, jnp.dtype(jnp.bfloat16))
@@ -387,20 +371,19 @@ def step_codec(dev, sizes: Sizes, table: list):
                           gibs(nbytes, up), up / copy_ms, None))
             out = np.empty(len(blob), np.uint8)
             for ex in ("program", "blocks"):
-                with executor(ex, dev):
-                    assert tq_jax.dumps(xd, options=opts) == blob, f"{ex}: bytes differ from the program's"
-                    ms = median_ms(lambda: tq_jax.dumps(xd, options=opts), reps)
-                    row(case, f"dumps(jax.Array) [{ex}]", ms, down)
-                    ms = median_ms(lambda: tq_jax.loads(blob, device=dev), reps)
-                    row(case, f"loads(device=d) [{ex}]", ms, up)
-                    # the bridge's data path (bridge/_src/serde.py): an L1 chunk in host memory in, bytes out
-                    ms = median_ms(lambda: tq_jax.dump_into(xh, out, options=opts, device=dev), reps)
-                    row(case, f"bridge encode: dump_into(host chunk, device=d) [{ex}], {nbytes / ms / 1e6:.1f} GB/s of KV",
-                        ms, raw_up + down)  # floor: the chunk up, the blob down
-                    back = np.empty(shape, jnp.bfloat16)
-                    ms = median_ms(lambda: tq_jax.load_into(blob, back, device=dev), reps)
-                    row(case, f"bridge decode: load_into(blob, host chunk, device=d) [{ex}], {nbytes / ms / 1e6:.1f} GB/s of KV",
-                        ms, up + raw_down)  # floor: the blob up, the tensor down
+                assert tq_jax.dumps(xd, options=opts, executor=ex) == blob, f"{ex}: bytes differ from the program's"
+                ms = median_ms(lambda: tq_jax.dumps(xd, options=opts, executor=ex), reps)
+                row(case, f"dumps(jax.Array) [{ex}]", ms, down)
+                ms = median_ms(lambda: tq_jax.loads(blob, device=dev, executor=ex), reps)
+                row(case, f"loads(device=d) [{ex}]", ms, up)
+                # the bridge's data path (bridge/_src/serde.py): an L1 chunk in host memory in, bytes out
+                ms = median_ms(lambda: tq_jax.dump_into(xh, out, options=opts, device=dev, executor=ex), reps)
+                row(case, f"bridge encode: dump_into(host chunk, device=d) [{ex}], {nbytes / ms / 1e6:.1f} GB/s of KV",
+                    ms, raw_up + down)  # floor: the chunk up, the blob down
+                back = np.empty(shape, jnp.bfloat16)
+                ms = median_ms(lambda: tq_jax.load_into(blob, back, device=dev, executor=ex), reps)
+                row(case, f"bridge decode: load_into(blob, host chunk, device=d) [{ex}], {nbytes / ms / 1e6:.1f} GB/s of KV",
+                    ms, up + raw_down)  # floor: the blob up, the tensor down
 
 
 # --------------------------------------------------------------------------- step 3: attend

@@ -11,10 +11,10 @@ Paths:
 - device path [program]: one compiled program per blob writes the whole blob on the
   device and only its bytes come back; ``loads(device=d)`` is its mirror
   (``tq_jax._src.program``). This is what an accelerator takes; on the CPU backend it is
-  forced here (``resident.ON_CPU``).
+  forced here (``executor="program"``).
 - device path [blocks]: the per-block dispatch the program replaced (a jax.Array cut
   into blocks on its device, each block its own kernel call; decode assembles the
-  blocks' results on the device), kept selectable (``resident.EXECUTOR``).
+  blocks' results on the device), kept selectable (``executor="blocks"``).
 - XLA concatenate: the resident decode's assembly step alone (its blocks' results
   joined into the tensor by one jitted program).
 
@@ -35,30 +35,10 @@ import numpy as np
 
 import tq_jax
 from tq_jax._src import blocks
-from tq_jax._src import resident as resident_mod
 from timing import best_of
 
 W1 = (2, 32, 256, 8, 128)
-
-
-
-
-def forced(flag, executor="program"):
-    """Call fn with resident.ON_CPU set to flag (the accelerator path on CPU), run by
-    ``executor`` (``resident.EXECUTORS``)."""
-
-    def wrap(fn):
-        def call():
-            old = resident_mod.ON_CPU, resident_mod.EXECUTOR
-            resident_mod.ON_CPU, resident_mod.EXECUTOR = flag, executor
-            try:
-                return fn()
-            finally:
-                resident_mod.ON_CPU, resident_mod.EXECUTOR = old
-
-        return call
-
-    return wrap
+DEVICE_EXECUTORS = ("program", "blocks")  # tq_jax.dumps' executor= values of the device path
 
 
 def cases(dev):
@@ -71,17 +51,18 @@ def cases(dev):
     }
     for name, opts in (("v1 4-bit", tq_jax.encode_options(bits=4)), ("turbo-3.5", tq_jax.encode_options("turbo-3.5"))):
         b = tq_jax.dumps(x, options=opts)
-        assert forced(True)(lambda: tq_jax.dumps(xd, options=opts))() == b
+        assert tq_jax.dumps(xd, options=opts, executor="program") == b
         out[f"{name} dumps(numpy)"] = lambda opts=opts: tq_jax.dumps(x, options=opts, device=dev)
         out[f"{name} dumps(jax.Array), default path"] = lambda opts=opts: tq_jax.dumps(xd, options=opts)
-        for ex in resident_mod.EXECUTORS:
-            out[f"{name} dumps(jax.Array), device path [{ex}]"] = forced(True, ex)(lambda opts=opts: tq_jax.dumps(xd, options=opts))
-        out[f"{name} dumps(numpy, device=d), device path [program]"] = forced(True)(
-            lambda opts=opts: tq_jax.dumps(x, options=opts, device=dev))
+        for ex in DEVICE_EXECUTORS:
+            out[f"{name} dumps(jax.Array), device path [{ex}]"] = lambda opts=opts, ex=ex: tq_jax.dumps(
+                xd, options=opts, executor=ex)
+        out[f"{name} dumps(numpy, device=d), device path [program]"] = lambda opts=opts: tq_jax.dumps(
+            x, options=opts, device=dev, executor="program")
         out[f"{name} loads(device=d), default path"] = lambda b=b: tq_jax.loads(b, device=dev)
-        for ex in resident_mod.EXECUTORS:
-            out[f"{name} loads(device=d), device path [{ex}]"] = forced(True, ex)(lambda b=b: tq_jax.loads(b, device=dev))
-        out[f"{name} loads(device=d), host buffer"] = forced(False)(lambda b=b: tq_jax.loads(b, device=[dev]))
+        for ex in DEVICE_EXECUTORS:
+            out[f"{name} loads(device=d), device path [{ex}]"] = lambda b=b, ex=ex: tq_jax.loads(b, device=dev, executor=ex)
+        out[f"{name} loads(device=d), host buffer"] = lambda b=b: tq_jax.loads(b, device=[dev])
     # the resident decode's assembly alone: 4096-vector bf16 blocks joined by XLA
     block = blocks.block_vectors_for(W1[-1], None, [dev])
     parts = tuple(jax.device_put(np.zeros((block, W1[-1]), jnp.bfloat16), dev) for _ in range(x.size // W1[-1] // block))

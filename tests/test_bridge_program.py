@@ -4,8 +4,8 @@ With ``device: "gpu"`` the serde hands ``tq_jax.dump_into`` a numpy view of LMCa
 CPU L1 chunk and ``tq_jax.load_into`` a numpy view of the destination: the chunk
 crosses to the device in one transfer, one compiled program writes the blob there,
 and the bytes come back into ``dst`` (loads: the reverse). On this CPU-only machine the
-same code runs with ``device: "cpu"`` and the device path forced on CPU devices
-(``resident.ON_CPU``); the expectation is the host block driver's bytes.
+same code runs with ``device: "cpu"`` and the device path forced on CPU devices (the
+serde's calls given ``executor="program"``); the expectation is the host block driver's bytes.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import numpy as np  # noqa: E402
 
 from tq_jax._src import blocks as blocks_mod  # noqa: E402
 from tq_jax._src import program as program_mod  # noqa: E402
-from tq_jax._src import resident as resident_mod  # noqa: E402
 from tq_jax.bridge._src import dlpack  # noqa: E402
 from tq_jax.bridge._src import serde as S  # noqa: E402
 
@@ -58,7 +57,11 @@ def test_serde_device_path_runs_the_program_and_writes_the_host_bytes(options, m
     de.deserialize(host, want_out, key(0))
 
     built = []
-    monkeypatch.setattr(resident_mod, "ON_CPU", True)
+    import tq_jax
+
+    for name in ("dump_into", "load_into", "loads"):  # what the serde calls, with the device path pinned
+        real = getattr(tq_jax, name)
+        monkeypatch.setattr(tq_jax, name, lambda *a, _r=real, **k: _r(*a, **k, executor="program"))
     for name in ("encoder", "decoder"):
         real = getattr(program_mod, name)
         monkeypatch.setattr(program_mod, name, lambda *a, _r=real, _n=name: built.append(_n) or _r(*a))

@@ -2,8 +2,8 @@
 
 The independent expectation for every blob is the numpy (host) path's bytes, which
 tests/test_interop.py pins against the reference plugin. CPU devices take the host
-pipeline in normal use (their memory is host memory); the ``resident`` fixture runs
-the accelerator path on them.
+pipeline in normal use (their memory is host memory); the calls' ``executor=`` of the
+device path (the ``resident`` fixture's) runs the accelerator path on them.
 """
 
 import itertools
@@ -46,12 +46,13 @@ CASES = sweep(
 )
 
 
-@pytest.fixture(params=resident_mod.EXECUTORS)
-def resident(request, monkeypatch):
-    """Run the accelerator path on CPU devices, with each executor (the compiled
-    program, and the per-block dispatch kept beside it); yields the executor's name."""
-    monkeypatch.setattr(resident_mod, "ON_CPU", True)
-    monkeypatch.setattr(resident_mod, "EXECUTOR", request.param)
+DEVICE_EXECUTORS = ("program", "blocks")  # the executors of the device path (blob.EXECUTORS less "host")
+
+
+@pytest.fixture(params=DEVICE_EXECUTORS)
+def resident(request):
+    """Each executor of the accelerator path (the compiled program, and the per-block
+    dispatch kept beside it), passed as ``executor=`` to run it on CPU devices."""
     return request.param
 
 
@@ -88,12 +89,12 @@ def test_jax_array_gives_the_numpy_bytes(shape, dtype, kw, block, resident, monk
     # Implicit device->host transfers are refused (on CPU arrays this guard is lenient,
     # hence the host-path spies above); the packed result comes back by device_get.
     with jax.transfer_guard_device_to_host("disallow"):
-        got = tq_jax.dumps(xj, options=opts, block_vectors=block)
+        got = tq_jax.dumps(xj, options=opts, block_vectors=block, executor=resident)
     assert seen and set(seen) == {jax.devices()[0]}
     assert got == want
     buf = bytearray(len(want) + 3)
     with jax.transfer_guard_device_to_host("disallow"):
-        assert tq_jax.dump_into(xj, buf, options=opts, block_vectors=block) == len(want)
+        assert tq_jax.dump_into(xj, buf, options=opts, block_vectors=block, executor=resident) == len(want)
     assert bytes(buf[: len(want)]) == want
 
 
@@ -105,13 +106,11 @@ def test_loads_on_a_device_equals_loads(shape, dtype, kw, block, monkeypatch):
 
 def _check_resident_loads(b, block, monkeypatch):
     dev = jax.devices()[0]
-    for out_dtype, executor in itertools.product((None, jnp.float32), resident_mod.EXECUTORS):
+    for out_dtype, executor in itertools.product((None, jnp.float32), DEVICE_EXECUTORS):
         want = np.asarray(tq_jax.loads(b, dtype=out_dtype, block_vectors=block))  # the host pipeline
         with monkeypatch.context() as m:
-            m.setattr(resident_mod, "ON_CPU", True)
-            m.setattr(resident_mod, "EXECUTOR", executor)
             m.setattr(blocks_mod, "decode_plan", lambda *a: pytest.fail("host output buffer used"))
-            got = tq_jax.loads(b, dtype=out_dtype, block_vectors=block, device=dev)
+            got = tq_jax.loads(b, dtype=out_dtype, block_vectors=block, device=dev, executor=executor)
         assert isinstance(got, jax.Array) and got.devices() == {dev}
         assert got.dtype == want.dtype and got.shape == want.shape
         np.testing.assert_array_equal(np.asarray(got), want)
@@ -136,8 +135,7 @@ def test_qjl_blob_decodes_on_a_device(monkeypatch):
 def test_cpu_devices_keep_the_zero_copy_host_pipeline(monkeypatch):
     """On the CPU backend both directions take the host pipeline: loads' result is the
     aligned host buffer it decoded into (adopted by XLA without a copy), and a CPU
-    jax.Array is read in place."""
-    assert not resident_mod.ON_CPU
+    jax.Array is read in place; ``executor="host"`` pins that pipeline on any device."""
     monkeypatch.setattr(resident_mod, "decode", lambda *a: pytest.fail("resident decode on a CPU device"))
     monkeypatch.setattr(resident_mod, "encoder", lambda *a: pytest.fail("resident encode on a CPU device"))
     monkeypatch.setattr(program_mod, "encoder", lambda *a: pytest.fail("program encode on a CPU device"))
@@ -155,30 +153,32 @@ def test_cpu_devices_keep_the_zero_copy_host_pipeline(monkeypatch):
     monkeypatch.setattr(blob, "_host_view", lambda a: seen.append(real_view(a)) or seen[-1])
     assert tq_jax.dumps(xj, bits=4) == b
     assert seen and np.shares_memory(seen[0], np.asarray(xj))  # read in place
+    assert tq_jax.dumps(xj, bits=4, executor="host") == b
+    np.testing.assert_array_equal(np.asarray(tq_jax.loads(b, device=jax.devices()[0], executor="host")), np.asarray(out))
 
 
-def test_device_path_keeps_the_host_path_errors(no_host_copy, monkeypatch):
+def test_device_path_keeps_the_host_path_errors(resident, no_host_copy, monkeypatch):
     with pytest.raises(ValueError, match="bfloat16, float16 or float32"):
-        tq_jax.dumps(jnp.ones((4, 8), jnp.int32), bits=4)
+        tq_jax.dumps(jnp.ones((4, 8), jnp.int32), bits=4, executor=resident)
     with pytest.raises(blob.NormOverflowError):
-        tq_jax.dumps(jnp.full((8, 16), 3e4, jnp.float32), bits=4, norm_dtype="float16")
-    big = tq_jax.dumps(jnp.full((8, 16), 3e4, jnp.float32), bits=4)  # "auto": float32 norms
+        tq_jax.dumps(jnp.full((8, 16), 3e4, jnp.float32), bits=4, norm_dtype="float16", executor=resident)
+    big = tq_jax.dumps(jnp.full((8, 16), 3e4, jnp.float32), bits=4, executor=resident)  # "auto": float32 norms
     assert tq_jax.parse(big).header.norm_dtype == "float32"
     monkeypatch.undo()  # the numpy path, for the expectation
     assert big == tq_jax.dumps(np.full((8, 16), 3e4, np.float32), bits=4)
 
 
-def test_second_call_does_not_recompile(compiles, no_host_copy):
+def test_second_call_does_not_recompile(compiles, resident, no_host_copy):
     x = jnp.asarray(random_input((2, 2, 50, 2, 64), "bfloat16", 2))
     opts = options_from(dict(preset="turbo-3.5"))
     dev = jax.devices()[0]
-    b = tq_jax.dumps(x, options=opts, block_vectors=64)
-    tq_jax.loads(b, device=dev, block_vectors=64)
+    b = tq_jax.dumps(x, options=opts, block_vectors=64, executor=resident)
+    tq_jax.loads(b, device=dev, block_vectors=64, executor=resident)
     assert compiles.count > 0, "the compile counter saw nothing: this test would pass vacuously"
     n = compiles.count
     for _ in range(2):
-        assert tq_jax.dumps(x, options=opts, block_vectors=64) == b
-        tq_jax.loads(b, device=dev, block_vectors=64)
+        assert tq_jax.dumps(x, options=opts, block_vectors=64, executor=resident) == b
+        tq_jax.loads(b, device=dev, block_vectors=64, executor=resident)
     assert compiles.count == n
 
 
@@ -203,22 +203,21 @@ def test_options_argument():
 def test_four_host_devices_encode_and_decode_where_asked():
     code = """
     import jax, jax.numpy as jnp, numpy as np, tq_jax
-    from tq_jax._src import program, resident
+    from tq_jax._src import program
     devs = jax.devices()
     assert len(devs) == 4, devs
     x = np.random.default_rng(0).standard_normal((2, 4, 300, 2, 64), np.float32).astype(jnp.bfloat16)
     opts = tq_jax.encode_options("turbo-3.5")
     want = tq_jax.dumps(x, options=opts)
-    resident.ON_CPU = True  # the accelerator path, on CPU devices
     seen = []
     real = program.encoder
     program.encoder = lambda *a: seen.append(a[2]) or real(*a)
     on3 = jax.device_put(x, devs[3])
-    assert tq_jax.dumps(on3, options=opts) == want
+    assert tq_jax.dumps(on3, options=opts, executor="program") == want  # the accelerator path, on CPU devices
     assert seen == [devs[3]], seen
-    assert tq_jax.dumps(on3, options=opts, device=devs[1]) == want  # moved device to device
+    assert tq_jax.dumps(on3, options=opts, device=devs[1], executor="program") == want  # moved device to device
     assert seen[-1] == devs[1], seen
-    out = tq_jax.loads(want, device=devs[2])
+    out = tq_jax.loads(want, device=devs[2], executor="program")
     assert out.devices() == {devs[2]}, out.devices()
     np.testing.assert_array_equal(np.asarray(out), np.asarray(tq_jax.loads(want)))
     print("ok")
@@ -229,3 +228,18 @@ def test_four_host_devices_encode_and_decode_where_asked():
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_the_executor_is_a_calls_argument_and_an_unknown_one_is_refused():
+    """Which executor runs a call is that call's ``executor=``, not a module setting, and
+    a name outside blob.EXECUTORS is refused before any work, naming the choices."""
+    assert not any(hasattr(m, n) for m in (blob, resident_mod) for n in ("EXECUTOR", "ON_CPU"))
+    x = random_input((2, 8, 64), "float32")
+    b = tq_jax.dumps(x, bits=4)
+    buf = bytearray(len(b))
+    calls = (lambda: tq_jax.dumps(x, bits=4, executor="gpu"), lambda: tq_jax.dump_into(x, buf, bits=4, executor="pallas"),
+             lambda: tq_jax.loads(b, executor="device"), lambda: tq_jax.load_into(b, np.empty_like(x), executor="xla"))
+    for call in calls:
+        with pytest.raises(ValueError, match=r"executor must be None .*'host', 'program', 'blocks'"):
+            call()
+    assert buf == bytearray(len(b))  # nothing written

@@ -3,7 +3,7 @@
 The independent expectation for every blob is the host block driver's bytes (pinned
 against the reference plugin in tests/test_interop.py): the device program, run on
 the CPU backend, must write the same bytes and decode the same values. On CPU the
-device path is forced with ``resident.ON_CPU``.
+device path is forced with ``executor="program"``.
 """
 
 from __future__ import annotations
@@ -54,9 +54,8 @@ MATRIX = sweep(
 
 @pytest.fixture
 def on_device(monkeypatch):
-    """The device path with the compiled program on CPU devices; records the programs built."""
-    monkeypatch.setattr(resident_mod, "ON_CPU", True)
-    monkeypatch.setattr(resident_mod, "EXECUTOR", "program")
+    """Records the programs built, and fails if the per-block dispatch runs: the tests
+    using it pin ``executor="program"``, the device path's compiled program on CPU devices."""
     built = {"encoder": 0, "decoder": 0}
     for name in built:
         real = getattr(program_mod, name)
@@ -79,21 +78,21 @@ def test_program_writes_the_host_paths_bytes(shape, dtype, kw, block, monkeypatc
     want_values = np.asarray(tq_jax.loads(want, block_vectors=block))
     want_f32 = np.asarray(tq_jax.loads(want, dtype=jnp.float32, block_vectors=block))
     with monkeypatch.context() as m:
-        m.setattr(resident_mod, "ON_CPU", True)
         m.setattr(blocks_mod, "encode_plan", lambda *a: pytest.fail("host block driver used"))
         m.setattr(blocks_mod, "decode_plan", lambda *a: pytest.fail("host block driver used"))
-        assert tq_jax.dumps(jnp.asarray(x), options=opts, block_vectors=block) == want  # a jax.Array
-        assert tq_jax.dumps(x, options=opts, block_vectors=block) == want  # host data, device= the default
+        run = dict(block_vectors=block, executor="program")
+        assert tq_jax.dumps(jnp.asarray(x), options=opts, **run) == want  # a jax.Array
+        assert tq_jax.dumps(x, options=opts, **run) == want  # host data, device= the default
         buf = bytearray(len(want) + 5)
-        assert tq_jax.dump_into(x, buf, options=opts, block_vectors=block) == len(want)
+        assert tq_jax.dump_into(x, buf, options=opts, **run) == len(want)
         assert bytes(buf[: len(want)]) == want and bytes(buf[len(want) :]) == bytes(5)
-        got = tq_jax.loads(want, block_vectors=block, device=CPU)
+        got = tq_jax.loads(want, device=CPU, **run)
         assert got.dtype == want_values.dtype and got.shape == want_values.shape
         assert_decoded_like(got, want_values)
-        got = tq_jax.loads(want, dtype=jnp.float32, block_vectors=block, device=CPU)
+        got = tq_jax.loads(want, dtype=jnp.float32, device=CPU, **run)
         assert_decoded_like(got, want_f32)
         out = np.full(want_f32.shape, -7, np.float32)
-        assert tq_jax.load_into(want, out, block_vectors=block, device=CPU).shape == tuple(shape)
+        assert tq_jax.load_into(want, out, device=CPU, **run).shape == tuple(shape)
         assert_decoded_like(out, want_f32)
 
 
@@ -101,8 +100,8 @@ def test_program_writes_the_host_paths_bytes(shape, dtype, kw, block, monkeypatc
 def test_only_the_program_runs_on_the_device(shape, dtype, kw, block, on_device, monkeypatch):
     monkeypatch.setattr(blocks_mod, "encode_plan", lambda *a: pytest.fail("host block driver used"))
     monkeypatch.setattr(blocks_mod, "decode_plan", lambda *a: pytest.fail("host block driver used"))
-    b = tq_jax.dumps(random_input(shape, dtype), options=options_from(kw), block_vectors=block)
-    tq_jax.loads(b, block_vectors=block, device=CPU)
+    b = tq_jax.dumps(random_input(shape, dtype), options=options_from(kw), block_vectors=block, executor="program")
+    tq_jax.loads(b, block_vectors=block, device=CPU, executor="program")
     assert on_device == {"encoder": 1, "decoder": 1}
 
 
@@ -162,15 +161,13 @@ def test_plan_offsets_are_where_the_parser_finds_the_sections():
 def test_auto_norms_widen_and_float16_norms_refuse(on_device):
     x = np.full((3, 8, 16), 3e4, np.float32)
     with pytest.raises(tq_jax.NormOverflowError, match="float16"):
-        tq_jax.dumps(x, bits=4, norm_dtype="float16")
-    resident_mod.ON_CPU = False
-    want = tq_jax.dumps(x, bits=4)
-    resident_mod.ON_CPU = True
-    got = tq_jax.dumps(x, bits=4)
+        tq_jax.dumps(x, bits=4, norm_dtype="float16", executor="program")
+    want = tq_jax.dumps(x, bits=4)  # the host block driver
+    got = tq_jax.dumps(x, bits=4, executor="program")
     assert got == want and tq_jax.parse(got).header.norm_dtype == "float32"
     small = bytearray(tq_jax.serialized_size(x.shape, "float32", 4))  # the float16 size
     with pytest.raises(ValueError, match="overflow float16"):
-        tq_jax.dump_into(x, small, bits=4)
+        tq_jax.dump_into(x, small, bits=4, executor="program")
     assert small == bytearray(len(small))  # nothing written
 
 
@@ -206,27 +203,33 @@ def test_peak_temporary_memory_is_one_block_not_the_tensor():
 def test_programs_compile_once_per_plan_and_stay_cached(compiles, on_device):
     x = jnp.asarray(random_input((2, 2, 40, 2, 64), "bfloat16", 5))
     opts = options_from(dict(preset="turbo-3.5"))
-    b = tq_jax.dumps(x, options=opts, block_vectors=32)
-    tq_jax.loads(b, device=CPU, block_vectors=32)
+    run = dict(block_vectors=32, executor="program")
+    b = tq_jax.dumps(x, options=opts, **run)
+    tq_jax.loads(b, device=CPU, **run)
     n = compiles.count
     assert n > 0
     for _ in range(3):
-        assert tq_jax.dumps(x, options=opts, block_vectors=32) == b
-        tq_jax.loads(b, device=CPU, block_vectors=32)
+        assert tq_jax.dumps(x, options=opts, **run) == b
+        tq_jax.loads(b, device=CPU, **run)
     assert compiles.count == n
     assert program_mod.PROGRAMS.stats().entries >= 2
 
 
 def test_too_large_for_the_program_takes_the_block_executor(monkeypatch):
-    """Blobs past the program's int32 offsets (MAX_BLOB_BYTES) run block by block, same bytes."""
+    """Blobs past the program's int32 offsets (MAX_BLOB_BYTES) run block by block, same
+    bytes, even with the program asked for (``executor="program"`` on CPU devices)."""
     x = random_input((2, 3, 20, 64), "bfloat16", 6)
     want = tq_jax.dumps(x, bits=4, block_vectors=16)
-    monkeypatch.setattr(resident_mod, "ON_CPU", True)
     monkeypatch.setattr(program_mod, "MAX_BLOB_BYTES", len(want) - 1)
     monkeypatch.setattr(program_mod, "encoder", lambda *a: pytest.fail("program used past its limit"))
     monkeypatch.setattr(program_mod, "decoder", lambda *a: pytest.fail("program used past its limit"))
-    assert tq_jax.dumps(jnp.asarray(x), bits=4, block_vectors=16) == want
-    assert_decoded_like(tq_jax.loads(want, device=CPU, block_vectors=16), tq_jax.loads(want, block_vectors=16))
+    built = []
+    real = resident_mod.encoder
+    monkeypatch.setattr(resident_mod, "encoder", lambda *a: built.append(a) or real(*a))
+    assert tq_jax.dumps(jnp.asarray(x), bits=4, block_vectors=16, executor="program") == want
+    assert built  # the per-block device path ran
+    got = tq_jax.loads(want, device=CPU, block_vectors=16, executor="program")
+    assert_decoded_like(got, tq_jax.loads(want, block_vectors=16))
 
 
 def test_plan_is_immutable_and_hashable():

@@ -257,11 +257,12 @@ def test_codec_device_program_lowers_for_tpu_in_32_bit_types(preset, dtype):
 @pytest.mark.slow
 def test_cli_device_path_programs_lower_for_tpu(tmp_path, monkeypatch):
     """The programs `tq-jax compress`/`decompress` compile on an accelerator host: the CLI
-    is run here with the device path taken on the CPU (resident.ON_CPU), which records
+    is run here with the device path taken on the CPU (each unit produced with
+    ``executor="program"``), which records
     every (plan, block, dtype) it compiles; each is then exported for a TPU. The files
     are the host block driver's, byte for byte."""
-    from tq_jax._src import resident
     from tq_jax._src import safetensors_io as st
+    from tq_jax._src.batch import run as batch_run
     from tq_jax._src.cli import main
 
     rng = np.random.default_rng(0)
@@ -273,7 +274,8 @@ def test_cli_device_path_programs_lower_for_tpu(tmp_path, monkeypatch):
         real = getattr(program, name)
         monkeypatch.setattr(program, name, lambda plan, block, device, dtype, real=real, name=name: (
             built.append((name, plan, dtype)) or real(plan, block, device, dtype)))
-    monkeypatch.setattr(resident, "ON_CPU", True)
+    real_produce = batch_run.produce
+    monkeypatch.setattr(batch_run, "produce", lambda *a, **k: real_produce(*a, **k, executor="program"))
     assert main(["compress", str(src), str(tmp_path / "c.safetensors"), "--head-dim", "64", "-q"]) == 0
     assert main(["decompress", str(tmp_path / "c.safetensors"), str(tmp_path / "d.safetensors"), "-q"]) == 0
     monkeypatch.undo()  # stop recording: exporting builds the programs again

@@ -9,9 +9,11 @@ The host pipeline: a tensor's vectors run block by block through the codec
 (:mod:`tq_jax._src.blocks` cuts, pads to bucket sizes and dispatches them) and the codec's
 output is written through :mod:`tq_jax._src.wire`'s write API. Data for an accelerator — a
 ``jax.Array`` living there, a host tensor with ``device=`` one, ``loads(device=)`` or
-``load_into(device=)`` of one — takes the device path instead (:mod:`tq_jax._src.resident`
-decides): one compiled program writes the whole blob in device memory
-(:mod:`tq_jax._src.program`), or reads it there. The bytes do not depend on the path.
+``load_into(device=)`` of one — takes the device path instead: one compiled program writes
+the whole blob in device memory (:mod:`tq_jax._src.program`), or reads it there, and the
+per-block dispatch of :mod:`tq_jax._src.resident` runs what the program does not. Which
+executor runs a call is chosen in one place (:func:`_executor`) from the device, unless
+the call's ``executor=`` pins one. The bytes do not depend on the path.
 """
 
 from __future__ import annotations
@@ -43,7 +45,10 @@ __all__ = [
     "bucket",
     "serialized_size",
     "DEFAULT_BLOCK_COORDS",
+    "EXECUTORS",
 ]
+
+EXECUTORS = ("host", "program", "blocks")  # the values of the calls' ``executor=``; None chooses
 
 
 
@@ -121,12 +126,25 @@ def _single_device(x, device):
 HOST_INPUT_LIMIT = 1 << 30
 
 
-def takes(device) -> bool:
-    """Whether data for ``device`` (a ``jax.Device``) take the device path: accelerators
-    do, and CPU devices when :data:`tq_jax._src.resident.ON_CPU` is set (tests, benchmarks).
-    On the CPU backend the host block driver already reads and writes device memory in
-    place (benchmarks/results/device_path_cpu.md)."""
-    return _resident.ON_CPU or device.platform != "cpu"
+def takes(device, executor: str | None = None) -> bool:
+    """Whether data for ``device`` (a ``jax.Device``) take the device path: with
+    ``executor`` None, accelerators do and CPU devices do not (on the CPU backend the
+    host block driver already reads and writes device memory in place,
+    benchmarks/results/device_path_cpu.md); ``"program"`` or ``"blocks"`` send every
+    device there, CPU devices included (tests, benchmarks); ``"host"`` none."""
+    if executor is None:
+        return device.platform != "cpu"
+    return executor != "host"
+
+
+def _check_executor(executor) -> str | None:
+    if executor is not None and executor not in EXECUTORS:
+        raise ValueError(
+            f"executor must be None (chosen by the device) or one of {', '.join(map(repr, EXECUTORS))}, got "
+            f"{executor!r}: 'host' is the host block driver, 'program' one compiled program per blob on the "
+            f"device, 'blocks' the per-block device path."
+        )
+    return executor
 
 
 def _device_of(device):
@@ -138,20 +156,20 @@ def _device_of(device):
     return device if isinstance(device, jax.Device) else None
 
 
-def _executor(plan, device) -> tuple[str, object]:
+def _executor(plan, device, executor: str | None) -> tuple[str, object]:
     """The one choice of what runs a plan on ``device`` (a ``jax.Device`` or None):
     ``("host", None)``, the host block driver (:mod:`tq_jax._src.blocks`); ``("program", d)``,
     one compiled program on ``d`` (:mod:`tq_jax._src.program`); or ``("blocks", d)``, the
     per-block device path (:mod:`tq_jax._src.resident`: QJL blobs, blobs of 2 GiB or more, or
-    :data:`tq_jax._src.resident.EXECUTOR` ``"blocks"``)."""
-    if device is None or not takes(device):
+    ``executor="blocks"``). ``executor`` is the call's (:data:`EXECUTORS`, None: by device)."""
+    if device is None or not takes(device, executor):
         return "host", None
-    if _resident.EXECUTOR == "program" and _program.fits(plan):
+    if executor != "blocks" and _program.fits(plan):
         return "program", device
     return "blocks", device
 
 
-def _program_device(x, device):
+def _program_device(x, device, executor):
     """The device on which ``x`` is encoded (:func:`_executor` then says how), or None
     for the host block driver: a ``jax.Array`` on an accelerator (or ``device=`` one),
     or host data of at most :data:`HOST_INPUT_LIMIT` bytes with ``device=`` an
@@ -160,21 +178,21 @@ def _program_device(x, device):
     if dev is None:
         if isinstance(x, jax.Array) or not (device is None or isinstance(device, jax.Device)):
             return None  # sharded or traced input, or a sequence of devices: blocks in turn
-        if _resident.EXECUTOR != "program" or x.nbytes > HOST_INPUT_LIMIT:
+        if executor == "blocks" or x.nbytes > HOST_INPUT_LIMIT:
             return None
         dev = _device_of(device)
-    return dev if takes(dev) else None
+    return dev if takes(dev, executor) else None
 
 
-def _encode(x, options: _options.Options, block_vectors, device):
+def _encode(x, options: _options.Options, block_vectors, device, executor):
     """Encode ``x`` under ``options``: (the plan written, its bytes as ``wire.pieces``
     or one host uint8 array)."""
     if not isinstance(x, (np.ndarray, jax.Array)):
         x = _host_view(x)
-    dev = _program_device(x, device)
+    dev = _program_device(x, device, _check_executor(executor))
     arr = x if dev is not None and isinstance(x, jax.Array) else np.asarray(_host_view(x), order="C")  # 0-d stays 0-d
     plan = _plan.for_tensor(tuple(arr.shape), _check_tensor(arr), options)  # the one read of the options
-    how, dev = _executor(plan, dev)
+    how, dev = _executor(plan, dev, executor)
     if how == "program":
         return _program.encode(plan, arr, block_vectors, dev)
     if how == "blocks":
@@ -227,7 +245,8 @@ def serialized_size(shape, dtype, bits=None, *, options=None, **kwargs) -> int:
     return _resolve(bits, options, kwargs).serialized_size(shape, dtype)
 
 
-def dumps(x, bits=None, *, options=None, block_vectors: int | None = None, device=None, **kwargs) -> bytes:
+def dumps(x, bits=None, *, options=None, block_vectors: int | None = None, device=None, executor=None,
+          **kwargs) -> bytes:
     """Encode a tensor into a TQ01 blob.
 
     With the reference's settings (one ``bits`` of 2, 3, 4, 6 or 8, Haar rotation,
@@ -250,6 +269,11 @@ def dumps(x, bits=None, *, options=None, block_vectors: int | None = None, devic
             on how many devices the work runs. A ``jax.Array`` on an accelerator
             is cut into blocks and encoded there; only the packed result comes to
             the host.
+        executor: what runs the work: None (the default) chooses by device: the host
+            block driver on CPU devices, on an accelerator one compiled program per
+            blob (the per-block device path for QJL blobs and blobs of 2 GiB or more).
+            ``"host"``, ``"program"`` or ``"blocks"`` pins one; ``"program"`` and
+            ``"blocks"`` then run the device path on a CPU device too. The bytes are the same.
         **kwargs: :class:`~tq_jax.Options` fields: ``seed`` (42), ``key_bits``,
             ``value_bits``, ``skip_first_layers``, ``skip_last_layers``, ``rotation``
             ("haar"), ``norm_dtype`` ("auto"), ``norm_correction``, ``checksum``, ``norm_bits`` (0).
@@ -262,14 +286,15 @@ def dumps(x, bits=None, *, options=None, block_vectors: int | None = None, devic
             (the message names the closest valid name and the presets).
         NormOverflowError: ``norm_dtype="float16"`` and a finite norm exceeds 65504.
     """
-    plan, pieces = _encode(x, _resolve(bits, options, kwargs), block_vectors, device)
+    plan, pieces = _encode(x, _resolve(bits, options, kwargs), block_vectors, device, executor)
     out = pieces.tobytes() if isinstance(pieces, np.ndarray) else b"".join(pieces)  # one allocation, no extra copy
     if len(out) != plan.nbytes:
         raise AssertionError(f"tq_jax wrote {len(out)} bytes, its header implies {plan.nbytes}")
     return out
 
 
-def dump_into(x, out, bits=None, *, options=None, block_vectors: int | None = None, device=None, **kwargs) -> int:
+def dump_into(x, out, bits=None, *, options=None, block_vectors: int | None = None, device=None, executor=None,
+              **kwargs) -> int:
     """Like :func:`dumps`, but write into ``out`` (a writable bytes-like/uint8 buffer).
 
     Nothing is written unless the whole blob fits and encoding succeeded.
@@ -292,7 +317,7 @@ def dump_into(x, out, bits=None, *, options=None, block_vectors: int | None = No
             f"output buffer holds {len(mv)} bytes but this blob needs {need}: allocate "
             f"tq_jax.serialized_size(shape, dtype, ...) bytes."
         )
-    plan, pieces = _encode(arr, opts, block_vectors, device)
+    plan, pieces = _encode(arr, opts, block_vectors, device, executor)
     if plan.nbytes > len(mv):  # "auto" norms grew to float32
         raise ValueError(
             f"output buffer holds {len(mv)} bytes but this blob needs {plan.nbytes}: some "
@@ -321,7 +346,7 @@ def _check_out_dtype(dtype):
     return dt
 
 
-def loads(blob, *, dtype=None, block_vectors: int | None = None, device=None) -> jax.Array:
+def loads(blob, *, dtype=None, block_vectors: int | None = None, device=None, executor=None) -> jax.Array:
     """Decode a TQ01 blob (version 1 or 2; every blob the reference writes, QJL included).
 
     Args:
@@ -334,6 +359,11 @@ def loads(blob, *, dtype=None, block_vectors: int | None = None, device=None) ->
             go to the device and the tensor is decoded and assembled there, with
             no host output buffer; on the CPU backend the result is the aligned
             host buffer the blocks were decoded into, adopted without a copy.
+        executor: what runs the work: None (the default) chooses by device: the host
+            block driver on CPU devices, on an accelerator one compiled program per
+            blob (the per-block device path for QJL blobs and blobs of 2 GiB or more).
+            ``"host"``, ``"program"`` or ``"blocks"`` pins one; ``"program"`` and
+            ``"blocks"`` then run the device path on a CPU device too. The bytes are the same.
 
     Returns:
         ``jax.Array`` of the blob's shape.
@@ -344,7 +374,7 @@ def loads(blob, *, dtype=None, block_vectors: int | None = None, device=None) ->
     p = _wire.parse(blob)  # the one parse: header, sections, the header's own bytes
     plan = _plan.for_parsed(p)
     dt = _check_out_dtype(p.header.dtype if dtype is None else dtype)
-    how, target = _executor(plan, _device_of(device))
+    how, target = _executor(plan, _device_of(device), _check_executor(executor))
     if how == "program":  # decoded where it will live
         return _program.decode(plan, p, _blob_bytes(blob), dt, block_vectors, target)
     if how == "blocks":
@@ -352,11 +382,14 @@ def loads(blob, *, dtype=None, block_vectors: int | None = None, device=None) ->
     return _blocks.decode(p, plan, dt, block_vectors, device)
 
 
-def load_into(blob, out: np.ndarray, *, block_vectors: int | None = None, device=None) -> _wire.Header:
+def load_into(blob, out: np.ndarray, *, block_vectors: int | None = None, device=None,
+              executor=None) -> _wire.Header:
     """Decode a TQ01 blob into an existing writable numpy array of any float dtype.
 
     ``out`` must have the blob's number of elements and its last axis must be a
     multiple of the blob's head_dim (so ``[..., H*D]`` receives ``[..., H, D]``).
+    ``block_vectors``, ``device`` and ``executor`` as in :func:`loads`; a device path
+    other than the compiled program decodes on the host, into ``out``.
 
     Returns:
         The blob's :class:`~tq_jax._src.wire.Header`.
@@ -374,7 +407,7 @@ def load_into(blob, out: np.ndarray, *, block_vectors: int | None = None, device
             f"multiple of head_dim={h.dim}."
         )
     plan = _plan.for_parsed(p)
-    how, target = _executor(plan, _device_of(device))
+    how, target = _executor(plan, _device_of(device), _check_executor(executor))
     if how == "program":  # one transfer in, one program, one transfer back into `out`
         arr = _program.decode(plan, p, _blob_bytes(blob), out.dtype, block_vectors, target)
         out.reshape(plan.shape)[...] = np.asarray(jax.device_get(arr))

@@ -1,11 +1,11 @@
-"""The device path of :mod:`tq_jax._src.blob`: data on an accelerator stays there.
+"""The per-block device path of :mod:`tq_jax._src.blob`: data on an accelerator stays there.
 
-Its settings say which devices take the device path (:data:`ON_CPU`) and which
-executor runs there (:data:`EXECUTOR`): ``"program"`` (the default), one compiled
-program per blob (:mod:`tq_jax._src.program`), or ``"blocks"``, the per-block dispatch
-below, kept so that one run on one card can measure both (``benchmarks/accelerator.py``
-step 2) and for what the program does not run (QJL blobs, blobs of 2 GiB or more).
-:mod:`tq_jax._src.blob` makes the choice, in one place (``blob.takes``, ``blob._executor``).
+The device path has two executors: one compiled program per blob
+(:mod:`tq_jax._src.program`, the default), and the per-block dispatch here, which runs
+what the program does not (QJL blobs, blobs of 2 GiB or more) and is kept so that one
+run on one card can measure both (a call's ``executor="blocks"``,
+``benchmarks/accelerator.py`` step 2). :mod:`tq_jax._src.blob` makes the choice, in one
+place (``blob.takes``, ``blob._executor``), from the device and the call's ``executor``.
 
 The per-block dispatch: a jax.Array on one device is encoded there: one
 program cuts its blocks on the device (the last one padded to its bucket, so every
@@ -17,8 +17,8 @@ decodes every block there and assembles the tensor there.
 On the CPU backend a device's memory is host memory: the host pipeline reads a CPU
 jax.Array in place (``np.asarray`` is a view) and its 64-byte-aligned output becomes
 the result without a copy, so it already keeps the data where it lives, and it
-pipelines blocks with bounded memory. CPU devices therefore take it; tests set
-:data:`ON_CPU` to run the accelerator path on CPU devices.
+pipelines blocks with bounded memory. CPU devices therefore take it; tests pin
+``executor="program"`` or ``"blocks"`` to run the accelerator path on CPU devices.
 (benchmarks/results/device_path_cpu.md has the measurements behind this choice.)
 
 The public API stays :func:`tq_jax.dumps` / :func:`tq_jax.loads`: :mod:`tq_jax._src.blob`
@@ -40,13 +40,8 @@ from tq_jax._src import program as _program
 from tq_jax._src import wire as _wire
 from tq_jax._src.plan import Plan
 
-__all__ = ["ON_CPU", "EXECUTOR", "EXECUTORS", "encode", "decode", "encoder", "assembler", "CACHES",
+__all__ = ["encode", "decode", "encoder", "assembler", "CACHES",
            "cache_stats", "clear_caches"]
-
-ON_CPU = False  # True: take this path on CPU devices too (tests, benchmarks)
-EXECUTORS = ("program", "blocks")
-EXECUTOR = "program"  # one of EXECUTORS: which executor runs the device path
-
 
 # Compiled programs keyed by a blob's layout and shape (a decoder's come from untrusted
 # headers): bounded, least recently used first.

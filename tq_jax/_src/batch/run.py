@@ -30,37 +30,38 @@ def byte_view(data) -> memoryview:
     return memoryview(data).cast("B")
 
 
-def unit_device(devices, turn: int):
+def unit_device(devices, turn: int, executor: str | None = None):
     """Where one unit is encoded or decoded: on accelerators (devices that take the device
-    path, :func:`tq_jax._src.blob.takes`: a GPU or TPU host) one device, the units dealt
-    to them in turn, so that each unit runs as one compiled program there
-    (:mod:`tq_jax._src.program`); on CPU devices the list, whose blocks the host block driver
-    deals out."""
+    path, :func:`tq_jax._src.blob.takes`: a GPU or TPU host, or any device with
+    ``executor`` ``"program"``) one device, the units dealt to them in turn, so that each
+    unit runs as one compiled program there (:mod:`tq_jax._src.program`); on CPU devices
+    the list, whose blocks the host block driver deals out."""
     from tq_jax._src import blob
 
-    if all(blob.takes(d) for d in devices):
+    if all(blob.takes(d, executor) for d in devices):
         return devices[turn % len(devices)]
     return devices
 
 
-def produce(src, unit, devices, turn: int = 0) -> np.ndarray | bytes:
+def produce(src, unit, devices, turn: int = 0, executor: str | None = None) -> np.ndarray | bytes:
     """The output bytes of one :class:`~tq_jax._src.batch.plan.Unit` (exactly ``unit.nbytes``
     for raw and decode units; an encode unit's blob may differ from its estimate),
-    computed where :func:`unit_device` puts unit number ``turn``.
+    computed where :func:`unit_device` puts unit number ``turn``, by ``executor``
+    (:func:`tq_jax.dumps`'; None: chosen by the device).
 
     Raises:
         BatchError: a norm that float16 cannot hold (encode), or a corrupt blob (decode).
     """
     import tq_jax
 
-    devices = unit_device(devices, turn)
+    devices = unit_device(devices, turn, executor)
     where = f"{src.path}: tensor {unit.name!r}"
     if unit.kind == "raw":
         return src.read(unit.name, unit.start, unit.stop)
     if unit.kind == "encode":
         x = src.read(unit.name, unit.start, unit.stop).reshape(unit.shape)
         try:
-            blob = tq_jax.dumps(x, options=unit.options, device=devices)
+            blob = tq_jax.dumps(x, options=unit.options, device=devices, executor=executor)
         except tq_jax.NormOverflowError as e:
             raise BatchError(f"{where}: {e}") from None
         return blob
@@ -68,7 +69,7 @@ def produce(src, unit, devices, turn: int = 0) -> np.ndarray | bytes:
         blob = src.read(unit.name, unit.start, unit.stop)
         out = np.empty(unit.shape, st.DTYPES[unit.dtype])
         try:
-            tq_jax.load_into(blob, out, device=devices)
+            tq_jax.load_into(blob, out, device=devices, executor=executor)
         except tq_jax.WireError as e:
             raise BatchError(f"{where}: corrupt TQ01 blob at byte {unit.start}: {e}") from None
         return out
