@@ -34,10 +34,38 @@ def test_parse_spec_forms():
     assert caches.parse_spec("tq,norm_correction=False").settings == {"norm_correction": False}
 
 
-@pytest.mark.parametrize("bad", ["fp8", "bf16:4/4", "tq:4/", "tq:4/4,window", "tq:4/4,1x=2"])
+@pytest.mark.parametrize("bad", ["fp8:4", "fp8,window=8", "bf16:4/4", "tq:4/", "tq:4/4,window", "tq:4/4,1x=2"])
 def test_parse_spec_rejects(bad):
     with pytest.raises(ValueError, match="cache spec"):
         caches.parse_spec(bad)
+
+
+def test_stored_roundtrip_is_the_wire_format_or_e4m3():
+    """A loaded prefix holds what the store gives back: for tq, loads(dumps(K/V stack))
+    with the spec's codec settings and no window; for fp8, e4m3 of the clamped values
+    (ml_dtypes' rounding, the independent expectation)."""
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    import tq_jax
+
+    rng = np.random.default_rng(0)
+    k, v = (jnp.asarray(rng.standard_normal((2, 1, 5, 3, 64)).astype(np.float32) * 3, jnp.bfloat16) for _ in range(2))
+    k = k.at[0, 0, 0, 0, 0].set(1000.0)  # past e4m3's 448
+    blob = tq_jax.dumps(np.stack([np.asarray(k), np.asarray(v)]), options="turbo-4")
+    want = np.asarray(tq_jax.loads(blob))
+    got_k, got_v, stored = caches.stored_roundtrip(caches.parse_spec("tq:turbo-4,window=128,sinks=4"), k, v)
+    assert stored == len(blob)
+    np.testing.assert_array_equal(np.asarray(got_k), want[0])
+    np.testing.assert_array_equal(np.asarray(got_v), want[1])
+    got_k, got_v, stored = caches.stored_roundtrip(caches.parse_spec("fp8"), k, v)
+    assert stored == k.size + v.size
+    e4m3 = lambda x: np.clip(np.asarray(x, np.float32), -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)  # noqa: E731
+    np.testing.assert_array_equal(np.asarray(got_k, np.float32), e4m3(k))
+    np.testing.assert_array_equal(np.asarray(got_v, np.float32), e4m3(v))
+    assert float(got_k[0, 0, 0, 0, 0]) == 448.0
+    with pytest.raises(ValueError, match="needs bits or a preset"):
+        caches.stored_roundtrip(caches.parse_spec("tq,window=0"), k, v)
 
 
 def test_expand_specs_fills_defaults_and_windows():
@@ -446,3 +474,27 @@ def test_default_cache_in_loop_within_bound(smollm2):
     assert tq.tokens == IN_LOOP_SEQS * IN_LOOP_SCORED
     assert 0 < tq.kl <= max_kl, tq
     assert tq.d_ppl <= max_dppl, tq
+
+
+@pytest.mark.slow
+def test_loaded_prefix_protocol_with_a_lossless_store_is_the_reference(smollm2, monkeypatch):
+    """The loaded-prefix protocol's plumbing (the stored tokens, their positions, the last
+    prefix token computed as a step, exact tokens after): with a store that gives the
+    K/V back unchanged it scores what the bf16 cache scores, to float rounding, while a
+    tq store costs a positive KL; fp8 without --loaded-prefix is refused."""
+    params, cfg, _, ids = smollm2
+    windows = quality.text_windows(ids, 1, 48 + 16)
+    specs = [caches.parse_spec("tq:4/4"), caches.parse_spec("fp8")]
+    with pytest.raises(ValueError, match="loaded-prefix"):
+        quality.in_loop(params, cfg, windows, 48, specs, log=None)
+    real = caches.stored_roundtrip
+    monkeypatch.setattr(quality, "stored_roundtrip",
+                        lambda spec, k, v: (k, v, 1) if spec.kind == "fp8" else real(spec, k, v))  # fp8 as identity
+    results = quality.in_loop(params, cfg, windows, 48, specs, log=None, loaded=True)
+    ref, tq, lossless = (results[label] for label in ("bf16", "tq:4/4", "fp8"))
+    assert ref.nll.shape == lossless.nll.shape == (1, 16)
+    # the reference computed the last prefix token in its prefill, the protocol in a step of
+    # its own: its K/V differ by float rounding before bf16, nothing more
+    np.testing.assert_allclose(lossless.nll, ref.nll, rtol=5e-3, atol=2e-3)
+    assert float(lossless.kl.max()) < 1e-4 < float(tq.kl.mean())
+    assert ref.nbytes == 2 * 2 * cfg.layers * 47 * cfg.kv_heads * cfg.head_dim and lossless.nbytes == 1

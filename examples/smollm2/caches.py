@@ -32,6 +32,8 @@ A cache *spec* is the benchmark's name for one cache (:func:`parse_spec`):
 ``,window=R,sinks=S,rotation=hadamard,seed=7,norm_correction=true`` (any
 ``kvcache.init`` keyword with an int, true/false or string value); ``ragged``,
 ``ragged:4/4``, ``ragged:turbo-4`` likewise (``ragged.init_pool``'s keywords).
+``fp8`` names no cache but a stored format (:func:`stored_roundtrip`), for the
+loaded-prefix protocol.
 """
 
 from __future__ import annotations
@@ -295,6 +297,35 @@ def load_kv(cache, k, v):
     return cache
 
 
+def stored_roundtrip(spec: "CacheSpec", k, v) -> tuple[jax.Array, jax.Array, int]:
+    """K/V ``[L, B, T, kv_heads, head_dim]`` as a store gives them back, and the stored bytes.
+
+    What a prefix loaded from LMCache's L2 holds: every token as its stored format
+    decodes it, with no exact window. A ``"tq"`` spec encodes the K/V stack
+    ``[2, L, B, T, kv_heads, head_dim]`` with ``tq_jax.dumps`` under the spec's codec
+    settings (its ``window``/``sinks``, a live cache's exact tokens, do not apply to a
+    stored value) and decodes it with ``tq_jax.loads``. An ``"fp8"`` spec rounds to
+    float8 e4m3 with scale 1, vLLM's fp8 KV cache without calibrated scales (clamped
+    to +-448, as vLLM's conversion saturates).
+
+    Raises:
+        ValueError: a spec of another kind, or a ``"tq"`` spec that names no bits or preset.
+    """
+    if spec.kind == "fp8":
+        fp8 = lambda x: jnp.clip(x.astype(jnp.float32), -448, 448).astype(jnp.float8_e4m3fn).astype(jnp.bfloat16)  # noqa: E731
+        return fp8(k), fp8(v), int(k.size + v.size)
+    if spec.kind != "tq":
+        raise ValueError(f"cache spec {spec.label!r}: a stored prefix is tq:... (codes) or fp8, not {spec.kind!r}.")
+    import tq_jax
+
+    settings = {n: x for n, x in spec.settings.items() if n not in ("window", "sinks", "page_size")}
+    if "options" not in settings and not {"bits", "key_bits", "value_bits"} & settings.keys():
+        raise ValueError(f"cache spec {spec.label!r}: a stored prefix needs bits or a preset (tq:4/4, tq:turbo-4).")
+    blob = tq_jax.dumps(np.stack([np.asarray(k), np.asarray(v)]), **settings)
+    back = tq_jax.loads(blob)
+    return back[0], back[1], len(blob)
+
+
 # --------------------------------------------------------------------------- specs
 
 
@@ -321,7 +352,7 @@ class CacheSpec:
     def with_settings(self, **defaults) -> "CacheSpec":
         """This spec with ``defaults`` added where it does not set them itself (a
         ``"tq"`` spec only; values of None are dropped). The label lists what was added."""
-        if self.kind == "bf16":
+        if self.kind in ("bf16", "fp8"):
             return self
         own = self.settings
         add = {k: v for k, v in defaults.items() if v is not None and k not in own}
@@ -339,7 +370,8 @@ SPEC_HELP = (
     "a cache spec is bf16, tq (kvcache.init's defaults), tq:K/V bits (tq:4/4, tq:K4V3) or "
     "tq:PRESET (tq:turbo-3.5, passed as options=), optionally followed by ,name=value for any "
     "kvcache.init keyword: int, true/false or a string (tq:4/4,window=64,sinks=4,rotation=hadamard, "
-    "tq:K6V4,rotation=hadamard,norm_correction=true)"
+    "tq:K6V4,rotation=hadamard,norm_correction=true); fp8 (float8 e4m3) is a stored format, for "
+    "quality --loaded-prefix only"
 )
 
 
@@ -352,12 +384,12 @@ def parse_spec(text: str) -> CacheSpec:
     head, *extras = text.strip().split(",")
     kind, _, conf = head.partition(":")
     kwargs: dict = {}
-    if kind == "bf16":
+    if kind in ("bf16", "fp8"):
         if conf or extras:
-            raise ValueError(f"cache spec {text!r}: the bf16 cache takes no settings ({SPEC_HELP}).")
-        return CacheSpec("bf16", "bf16")
+            raise ValueError(f"cache spec {text!r}: the {kind} cache takes no settings ({SPEC_HELP}).")
+        return CacheSpec(kind, kind)
     if kind not in ("tq", "ragged"):
-        raise ValueError(f"cache spec {text!r}: unknown kind {kind!r}, expected one of {KINDS} ({SPEC_HELP}).")
+        raise ValueError(f"cache spec {text!r}: unknown kind {kind!r}, expected one of {(*KINDS, 'fp8')} ({SPEC_HELP}).")
     if conf:
         m = _BITS.match(conf)
         if m:

@@ -151,7 +151,19 @@ def _log(msg: str) -> None:
 # --------------------------------------------------------------------------- quality
 
 
-def quality_markdown(rows, *, seqs: int, prefix: int, scored: int, chunk: int, float32_ppl: float | None = None) -> list[str]:
+LOADED_PROTOCOL = (
+    "**Loaded-prefix protocol** (this report): the prefix is served from a store, as vLLM continues after LMCache "
+    "loads it from L2. The bf16 reference prefills it; each other row then starts from a bf16 cache whose first "
+    "{stored} tokens are the reference's K/V as that row's stored format returns them (`tq:...`: `tq_jax.dumps` then "
+    "`loads` of the K/V stack with the row's codec settings, codes only, no exact window; `fp8`: float8 e4m3, scale 1, "
+    "vLLM's fp8 KV cache without calibrated scales), computes the prefix's last token itself (vLLM always computes a prompt's "
+    "last token) and attends to exact bf16 K/V for every token after. Bytes are the stored prefix's "
+    "(the bf16 row: its K/V in bf16)."
+)
+
+
+def quality_markdown(rows, *, seqs: int, prefix: int, scored: int, chunk: int, float32_ppl: float | None = None,
+                     loaded: bool = False) -> list[str]:
     """The in-loop report's protocol paragraph and table (lines), from ``summarize``'s rows."""
     protocol = (
         "one token per step after the prefix (the strict protocol)"
@@ -168,6 +180,7 @@ def quality_markdown(rows, *, seqs: int, prefix: int, scored: int, chunk: int, f
         "exp(mean NLL difference) - 1 against the bf16 cache on the same tokens. Step: median ms of one step "
         "(all caches of a step share the machine; compiling steps excluded). Bytes: all array leaves at capacity "
         f"{prefix + scored - 1} tokens x {seqs} sequences.",
+        *(["", LOADED_PROTOCOL.format(stored=prefix - 1)] if loaded else []),
         "",
         "| cache | perplexity | ΔPPL vs bf16 | KL (nats) | step ms | bytes (x bf16) |",
         "|---|---:|---:|---:|---:|---:|",
@@ -190,12 +203,15 @@ def cmd_quality(args, argv) -> int:
     windows = _quality.text_windows(ids, args.seqs, args.prefix + args.scored)
     _log(f"{len(specs)} caches, {args.seqs} windows x ({args.prefix} prefix + {args.scored} scored), chunk {args.chunk}")
     ref = _quality.reference_ppl(params, cfg, windows, args.prefix) if args.float32 else None
-    results = _quality.in_loop(params, cfg, windows, args.prefix, specs, chunk=args.chunk, log=_log)
+    results = _quality.in_loop(params, cfg, windows, args.prefix, specs, chunk=args.chunk, log=_log, loaded=args.loaded_prefix)
     rows = _quality.summarize(results)
     for r in rows:
         _log(f"{r.label}: ppl {r.ppl:.4f} ΔPPL {100 * r.d_ppl:+.2f}% ± {100 * r.d_ppl_se:.2f}  KL {r.kl:.4f} ± {r.kl_se:.4f}  step {r.step_ms:.0f} ms")
-    lines = _header("SmolLM2-135M in the loop: ΔPPL and KL against the bf16 cache", argv, time.perf_counter() - t_all, load_avg)
-    lines += quality_markdown(rows, seqs=args.seqs, prefix=args.prefix, scored=args.scored, chunk=args.chunk, float32_ppl=ref)
+    title = ("SmolLM2-135M after a prefix loaded from a store: ΔPPL and KL against the bf16 cache" if args.loaded_prefix
+             else "SmolLM2-135M in the loop: ΔPPL and KL against the bf16 cache")
+    lines = _header(title, argv, time.perf_counter() - t_all, load_avg)
+    lines += quality_markdown(rows, seqs=args.seqs, prefix=args.prefix, scored=args.scored, chunk=args.chunk, float32_ppl=ref,
+                              loaded=args.loaded_prefix)
     _write(args.out, "\n".join(lines) + "\n")
     return 0
 
@@ -429,6 +445,8 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--scored", type=_positive, default=512, help="tokens scored per window (default %(default)s)")
     q.add_argument("--chunk", type=_positive, default=1, help="tokens per scoring step; 1 is the strict protocol, more is a quick look (default %(default)s)")
     q.add_argument("--float32", action="store_true", help="add a float32 no-cache perplexity row (a forward pass per window)")
+    q.add_argument("--loaded-prefix", action="store_true", help="the loaded-prefix protocol: the prefix is served from a store "
+                   "(codes only for tq:..., or fp8) as LMCache loads it, every later token is exact bf16")
     q.set_defaults(func=cmd_quality)
 
     p = sub.add_parser("passkey", help="passkey retrieval accuracy per (context, depth)")

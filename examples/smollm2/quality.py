@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .caches import CacheSpec, cache_nbytes, make_step
+from .caches import CacheSpec, cache_nbytes, dense_kv, init_cache, load_kv, make_step, stored_roundtrip
 
 TEXT_TOPIC = "specialnames"
 SE_BLOCK = 64  # tokens per block of the blocked standard error (neighbouring tokens correlate)
@@ -95,12 +95,21 @@ class Scored:
     nbytes: int
 
 
-def in_loop(params, cfg, windows: np.ndarray, prefix: int, specs: list[CacheSpec], *, chunk: int = 1, scorers=None, log=print):
+def in_loop(params, cfg, windows: np.ndarray, prefix: int, specs: list[CacheSpec], *, chunk: int = 1, scorers=None, log=print,
+            loaded: bool = False):
     """Score ``windows [B, N]`` through the bf16 cache and every spec in lockstep.
 
     Returns ``{label: Scored}``, the bf16 reference first (under label ``"bf16"``; a
     ``bf16`` spec in ``specs`` is the reference itself, not run twice). ``N - prefix``
     tokens per window are scored.
+
+    With ``loaded`` (the loaded-prefix protocol, as vLLM continues after LMCache loads a
+    prefix from L2): the bf16 reference prefills the prefix; every spec then starts from
+    a bf16 cache whose first ``prefix - 1`` tokens are the reference's K/V as the spec's
+    stored format returns them (:func:`~examples.smollm2.caches.stored_roundtrip`: codes
+    only, or fp8), runs the last prefix token as its first step (vLLM always computes
+    it), and attends to exact bf16 K/V for every token after. Bytes are then the stored
+    prefix's (the reference's: its bf16 K/V).
     """
     if not 0 < prefix < windows.shape[1]:
         raise ValueError(f"`prefix` must be in 1..{windows.shape[1] - 1} (the window length - 1), got {prefix}.")
@@ -112,7 +121,9 @@ def in_loop(params, cfg, windows: np.ndarray, prefix: int, specs: list[CacheSpec
     tests = [s for s in specs if s.kind != "bf16"]
     x = jnp.asarray(windows)
     all_specs = [ref_spec, *tests]
-    caches = [s.init(cfg, b, n - 1) for s in all_specs]
+    if not loaded and any(s.kind == "fp8" for s in tests):
+        raise ValueError("fp8 is a stored format, not a cache: run it with the loaded-prefix protocol (--loaded-prefix).")
+    caches = [s.init(cfg, b, n - 1) for s in all_specs[: 1 if loaded else None]]
     nbytes = [cache_nbytes(c) for c in caches]
     nll = [[] for _ in all_specs]
     kl = [[] for _ in all_specs]
@@ -120,7 +131,9 @@ def in_loop(params, cfg, windows: np.ndarray, prefix: int, specs: list[CacheSpec
 
     # prefill: the last logits predict windows[:, prefix]
     target0 = x[:, prefix : prefix + 1]
-    for i in range(len(all_specs)):
+    if loaded:
+        _loaded_prefill(params, cfg, x, prefix, all_specs, caches, nbytes, nll, kl, prefill, test_step)
+    for i in range(0 if loaded else len(all_specs)):  # loaded: prefilled above
         logits, caches[i] = prefill(params, caches[i], x[:, :prefix])
         lp = jax.nn.log_softmax(logits, axis=-1)
         nll[i].append(np.asarray(-jnp.take_along_axis(lp, target0[..., None], axis=-1)[..., 0]))
@@ -158,6 +171,30 @@ def in_loop(params, cfg, windows: np.ndarray, prefix: int, specs: list[CacheSpec
         assert a.shape == (b, n - prefix), (a.shape, b, n - prefix)
         out[spec.label] = Scored(spec, a, k, times[i], nbytes[i])
     return out
+
+
+def _loaded_prefill(params, cfg, x, prefix, all_specs, caches, nbytes, nll, kl, prefill, test_step) -> None:
+    """:func:`in_loop`'s start under the loaded-prefix protocol: the reference prefills
+    ``x[:, :prefix]`` (first in ``caches``), each spec gets a bf16 cache holding the
+    reference's first ``prefix - 1`` tokens as its stored format returns them, then steps
+    the last prefix token; ``caches``, ``nbytes``, ``nll`` and ``kl`` are filled in order."""
+    b, n = x.shape
+    logits, caches[0] = prefill(params, caches[0], x[:, :prefix])
+    ref_lp = jax.nn.log_softmax(logits, axis=-1)
+    target0 = x[:, prefix : prefix + 1]
+    nll[0].append(np.asarray(-jnp.take_along_axis(ref_lp, target0[..., None], axis=-1)[..., 0]))
+    kl[0].append(np.zeros(nll[0][0].shape, np.float32))
+    k, v = dense_kv(caches[0], 0, prefix - 1)
+    nbytes[0] = 2 * int(k.size + v.size)
+    load = jax.jit(load_kv, donate_argnums=0)
+    for i, spec in enumerate(all_specs[1:], 1):
+        kd, vd, stored = stored_roundtrip(spec, k, v)
+        cache = load(init_cache(cfg, "bf16", b, n - 1), kd, vd)
+        c_nll, c_kl, cache = test_step(params, cache, x[:, prefix - 1 : prefix], target0, ref_lp)
+        caches.append(cache)
+        nbytes.append(stored)
+        nll[i].append(np.asarray(c_nll))
+        kl[i].append(np.asarray(c_kl))
 
 
 def blocked_se(x: np.ndarray, block: int = SE_BLOCK) -> float:
