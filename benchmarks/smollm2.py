@@ -1,7 +1,7 @@
 """SmolLM2-135M-Instruct on the KV caches: in-loop quality, passkey retrieval, decode speed.
 
 The measurement entry point; the model, caches and measurements live in the example
-package ``examples/smollm2`` (docs/serving-smollm2.md). Run from the repository root:
+package ``examples/smollm2`` (benchmarks/studies/serving-smollm2.md). Run from the repository root:
 
     python -m benchmarks.smollm2 quality --cache tq:4/4 --windows 0,16,32,64,128,256
     python -m benchmarks.smollm2 passkey --cache tq:4/4 --cache tq:turbo-3.5

@@ -182,7 +182,7 @@ def test_default_window_and_memory_at_8k_and_32k_tokens():
     (dict(options="turbo-2.5", window=0), 0),
 ])
 def test_default_window_is_longer_for_two_bit_codes(kwargs, window):
-    """Measured in the loop (docs/serving-smollm2.md): 2-bit codes need 256 exact tokens
+    """Measured in the loop (benchmarks/studies/serving-smollm2.md): 2-bit codes need 256 exact tokens
     for what 128 give 3- and 4-bit codes; an explicit window is never changed."""
     cfg = kvcache.init(1, 1024, 2, 64, **kwargs).config
     assert cfg.window == window

@@ -1,6 +1,6 @@
 """TQ01 v2 log-coded norms (``norm_bits``) and the presets built on them: turbo-4, turbo-3.5, turbo-2.5.
 
-Quality on a real model is measured by benchmarks/quality_lm.py (docs/quality-lm.md);
+Quality on a real model is measured by benchmarks/quality_lm.py (benchmarks/studies/quality-lm.md);
 here: sizes, round trips, the norm grid's error bound, a golden blob, hostile input.
 """
 

@@ -4,7 +4,7 @@ Answer: the keys. At 2048 tokens, turbo-2.5's K3 keys alone find 0 % of the keys
 depth 50 % and its V2 values alone 100 %; over five rotation seeds a setting's mean
 falls with the key error, not with the total bits. Centring the keys lowers their RMS
 error (K3: 0.176 -> 0.130) without finding more, and cost K4V3 a cell. Written in
-docs/serving-smollm2.md ("What a passkey cell needs"), tables 1-6 of
+benchmarks/studies/serving-smollm2.md ("What a passkey cell needs"), tables 1-6 of
 benchmarks/results/smollm2_passkey_probe.md.
 
 

@@ -3,7 +3,7 @@
 Answer: not close enough. At 4/4's 4.25 bits per key element even the ideal per-channel
 code (Shannon's reverse water-filling, everything known in advance) is worth 6.3
 TurboQuant key bits at 2048 @ 50 %, while the cell needs 7-8; TurboQuant's outlier
-split reaches 4.5. Written in docs/serving-smollm2.md ("Nor by a smarter code of the same
+split reaches 4.5. Written in benchmarks/studies/serving-smollm2.md ("Nor by a smarter code of the same
 bytes"), tables 7-8 of benchmarks/results/smollm2_passkey_probe.md.
 
 The passkey probe (:mod:`benchmarks.studies.passkey_codec_probe`) finds that keys decide the

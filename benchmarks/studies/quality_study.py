@@ -3,8 +3,8 @@
 Answer: the keys decide the attention error (8 key bits cut it ~3x, value bits matter far
 less); the Hadamard rotation lowers the key error by ~10-25 % at 2-4 bits and is the
 faster one; norm correction changes little on synthetic data; raw edge layers cost 2
-bytes per coordinate of those layers. Written in docs/quality.md, which this script
-writes (the real-model side is docs/quality-lm.md, benchmarks/quality_lm.py).
+bytes per coordinate of those layers. Written in benchmarks/studies/quality.md, which this script
+writes (the real-model side is benchmarks/studies/quality-lm.md, benchmarks/quality_lm.py).
 
 
 Keys: Gaussian with 4 channels per head scaled 10-50x (fixed per layer and head, as
@@ -14,7 +14,7 @@ For each setting: bytes (% of bf16), mean per-vector cosine, relative MSE
 output softmax(q Kᵀ/√d) V for random queries, averaged over layers and heads. Then
 the encode/decode time of W1 with the fast rotation next to a memcpy of the input.
 
-    python benchmarks/studies/quality_study.py            # writes docs/quality.md
+    python benchmarks/studies/quality_study.py            # writes benchmarks/studies/quality.md
     python benchmarks/studies/quality_study.py --quick    # fewer layers and tokens
     python benchmarks/studies/quality_study.py --speed-only   # just the W1 speed table
 """

@@ -169,7 +169,7 @@ def _norm_dtype(name: str, value: object) -> str:
 def _preset(name: str, value: object):
     if value is None:
         return None
-    return _choice(*sorted(PRESETS), why=" Presets are documented in docs/quality.md.")(name, value)
+    return _choice(*sorted(PRESETS), why=" Presets are documented in docs/codec.md.")(name, value)
 
 
 def _format(name: str, value: object):

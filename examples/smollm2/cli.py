@@ -14,7 +14,7 @@ each setting's mean over its seeds: one seed's cell is one draw). Each subcomman
 markdown report that records the commit and the command: by default under ``tq-jax-results/``
 in the current directory (never the committed ``benchmarks/results/``: those files are
 refreshed only by naming them, ``--out benchmarks/results/...``), or ``--out -`` to print
-only. Run from the repository root; see docs/serving-smollm2.md for the protocols and
+only. Run from the repository root; see benchmarks/studies/serving-smollm2.md for the protocols and
 run times.
 """
 

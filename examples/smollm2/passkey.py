@@ -15,7 +15,7 @@ independent draws of the same text; ``"pool"`` draws every sentence from the 18 
 :data:`FILLER_POOL` instead (a harder haystack: SmolLM2-135M on the bf16 cache finds
 under a third of the keys at 2048 tokens with it).
 
-Protocol (docs/serving-smollm2.md): per batch of prompts (one (context, depth) cell,
+Protocol (benchmarks/studies/serving-smollm2.md): per batch of prompts (one (context, depth) cell,
 ``keys`` random keys), everything before the question is prefilled **once**, on exact
 K/V with the bf16 cache's math, and each layer's resulting K/V are appended to every
 cache under test (``caches.load_kv``: ``kvcache.append``, so a compressed cache

@@ -1,6 +1,6 @@
 """In-loop quality: perplexity and next-token KL of each cache against the bf16 cache.
 
-The strict protocol (docs/serving-smollm2.md): ``seqs`` windows of a text run as one
+The strict protocol (benchmarks/studies/serving-smollm2.md): ``seqs`` windows of a text run as one
 batch; each window's first ``prefix`` tokens are prefilled into an empty cache in one
 step, then its tokens are fed one per step (``chunk=1``), each step appending the new
 K/V to every layer's cache and then attending over the cache. Every K/V read goes

@@ -297,7 +297,7 @@ class Options:
 _FIELDS = {f.name: f for f in dataclasses.fields(Options)}
 
 
-# Named presets for LMCache's [2, L, T, ...] KV chunks; quality measured in docs/quality.md.
+# Named presets for LMCache's [2, L, T, ...] KV chunks; quality measured in benchmarks/studies/quality.md.
 PRESETS = {
     # The reference's format: readable by lmcache-turbo-quant-serde.
     "compat-4bit": dict(key_bits=4, value_bits=4, norm_dtype="float16"),
@@ -308,7 +308,7 @@ PRESETS = {
                        rotation="hadamard", norm_dtype="float32", norm_correction=True, checksum=True),
     "k8v4": dict(key_bits=8, value_bits=4, rotation="hadamard", norm_dtype="float32",
                  norm_correction=True, checksum=True),
-    # Chosen on SmolLM2-135M (docs/quality-lm.md): keys get the extra bit, and norms are
+    # Chosen on SmolLM2-135M (benchmarks/studies/quality-lm.md): keys get the extra bit, and norms are
     # 6-bit log codes (0.094 bit per element at head_dim 64 instead of float16's 0.25).
     # All-in <= 3.6 and <= 2.6 bits per element at head_dim 64 and 128.
     "turbo-3.5": dict(key_bits=4, value_bits=3, rotation="hadamard", norm_correction=True,
@@ -316,7 +316,7 @@ PRESETS = {
     "turbo-2.5": dict(key_bits=3, value_bits=2, rotation="hadamard", norm_correction=True,
                       norm_bits=6, checksum=True),
     # 4/4's bytes with a value bit moved to the keys. Chosen on SmolLM2-135M in the
-    # generation loop (docs/serving-smollm2.md): closer to a bf16 cache's perplexity and KL
+    # generation loop (benchmarks/studies/serving-smollm2.md): closer to a bf16 cache's perplexity and KL
     # than 4/4 or K6V2 at the same bytes; its passkey means over rotation seeds stay near
     # bf16's up to 1024 tokens, not at 2048. All-in 4.095 bits per element at head_dim 64
     # and 4.047 at 128 for 256-token chunks (docs/codec.md's table); in the cache it takes 4/4's

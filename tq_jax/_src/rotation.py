@@ -513,7 +513,7 @@ def structured_rotation(dim: int, seed: int) -> Structured:
     ``R`` is orthogonal (a Kronecker product of orthogonal factors times a sign
     diagonal), so it keeps every vector's length, and the Hadamard factor spreads each
     input channel evenly over ``p`` coordinates. Its quality against Haar is measured
-    by benchmarks/studies/quality_study.py (docs/quality.md).
+    by benchmarks/studies/quality_study.py (benchmarks/studies/quality.md).
 
     Returns:
         :class:`Structured` ``(signs, odd)``, cached and read-only.

@@ -22,7 +22,7 @@ An exact window: each sequence's most recent ``window`` tokens (default
 first ``sinks`` (default :data:`DEFAULT_SINKS`, 4) are also held in the model's dtype, and :func:`attend` reads those exactly, in one online softmax with the
 codes of the rest. Local attention leans hardest on the recent tokens; reading them
 from codes is what costs a model generating on the cache most of its quality
-(docs/serving-smollm2.md). Every token is still quantized once, when appended, so codes
+(benchmarks/studies/serving-smollm2.md). Every token is still quantized once, when appended, so codes
 never change and :func:`export` is unaffected; ``window=0, sinks=0`` reads every token from codes.
 
 Storage is a pool of pages ``[num_pages, page_size, kv_heads, row_bytes]`` plus a

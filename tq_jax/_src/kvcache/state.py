@@ -38,16 +38,16 @@ MIN_BLOCK_TOKENS = 16
 
 # The exact window init gives a cache by default: local attention leans hardest on the
 # most recent tokens, and reading them exactly brings a model generating on 4/4-bit codes
-# close to a bf16 cache's perplexity (docs/serving-smollm2.md measures it in the loop).
+# close to a bf16 cache's perplexity (benchmarks/studies/serving-smollm2.md measures it in the loop).
 # KIVI, SKVQ and transformers' QuantizedCache keep 128 recent tokens exact too.
 DEFAULT_WINDOW = 128
 # Codes of 2 bits (turbo-2.5's values) err more per token, so they need twice the window
 # to come as close to bf16 as 3- and 4-bit codes do with 128 (the same in-loop protocol,
-# docs/serving-smollm2.md).
+# benchmarks/studies/serving-smollm2.md).
 LOW_BITS_WINDOW = 256
 # ... and its first 4 tokens (attention sinks: the tokens every head leans on most), read
 # exactly beside the window; they lower the in-loop KL of every setting measured
-# (docs/serving-smollm2.md).
+# (benchmarks/studies/serving-smollm2.md).
 DEFAULT_SINKS = 4
 WINDOW_WHY = ("the most recent tokens of each sequence that attend reads exactly; 0 reads every token from "
               "its codes, and a window holds at most max_len tokens.")
