@@ -102,6 +102,14 @@ def test_another_easydel_version_is_refused_by_name(monkeypatch):
         spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
 
+def test_settings_take_a_window_longer_than_any_default_pool():
+    """A window of a long context (every token of a 4k sequence exact, say) is a valid
+    setting: it was refused by the size of the probe pool that validates settings."""
+    s = tq_easydel.settings("turbo-4", window=4096, sinks=0, max_seqs=1)
+    assert (s["window"], s["sinks"]) == (4096, 0)
+    assert tq_easydel.settings(None, window=2000, sinks=8)["window"] == 2000
+
+
 def test_settings_are_json_and_refuse_bad_input():
     s = tq_easydel.settings("turbo-4", window=32, sinks=4, max_seqs=2)
     assert json.loads(json.dumps(s)) == s and s["options"]["key_bits"] == 5

@@ -151,8 +151,12 @@ def settings(options=None, *, window: int | None = None, sinks: int | None = Non
             one-head probe pool.
     """
     opts = _options_of(options)
-    probe = jax.eval_shape(lambda: ragged.init_pool(64, 16, 1, 64, options=opts, window=window, sinks=sinks,
-                                                    max_seqs=max_seqs))  # validates, allocates nothing
+    # a probe pool large enough for any window and sinks asked for: the pool eSurge builds
+    # is sized by its own budget, so the probe must not bound them (validates, allocates nothing)
+    asked = sum(x for x in (window, sinks) if isinstance(x, int) and not isinstance(x, bool) and x > 0)
+    pages = max(64, -(-asked // 16) + 2)
+    probe = jax.eval_shape(lambda: ragged.init_pool(pages, 16, 1, 64, options=opts, window=window, sinks=sinks,
+                                                    max_seqs=max_seqs))
     del probe
     if num_pages is not None and (not isinstance(num_pages, int) or num_pages < 1):
         raise ValueError(f"`num_pages` must be None or an int >= 1, got {num_pages!r}: pages per layer of the pool.")
