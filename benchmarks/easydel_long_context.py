@@ -103,7 +103,7 @@ def main(argv=None) -> int:
         "",
         f"{args.windows} windows of the held text (CPython's `pydoc_data` topic `specialnames`), each {args.prefix} tokens "
         f"prefilled then {args.scored} scored one token per step, every K/V read through the cache; float32 "
-        "activations and attention, bfloat16 or coded K/V; ΔPPL, KL (nats) and top-1 against EasyDeL's bf16 cache "
+        "activations and attention, bfloat16 or coded K/V; ΔPPL, KL (nats) and top-1 against the reference "
         "in lockstep. The reference (`bf16`) is tq_jax's pool with the whole sequence in its exact window: every "
         "K/V read exactly, in bfloat16. tq_jax's rows: the ragged pool through `tq_jax.adapters.easydel`.",
         "",
