@@ -13,7 +13,9 @@ serde as the server builds it, for SmolLM2-135M's CPU chunk ``[30, 256, 384]`` b
 
 Per serde setting, with the serde's warm-up on (the default) and off, and for a reader
 that remembers the chunk shapes (a restarted server) or not (a new replica, its own
-empty ``TQ_JAX_CACHE_DIR``). Per prefetch, the reader also sums the deserializer's own
+empty ``TQ_JAX_CACHE_DIR``). Beside them, the same reader with LMCache alone: no serde
+(raw bf16 values) and LMCache's own ``fp8`` serde, so that LMCache's own first-hit cost
+is measured, not estimated. Per prefetch, the reader also sums the deserializer's own
 time over its threads and the page faults they take inside it, so the serde's part of a
 first hit's extra time is separated from LMCache's. The yardsticks, measured in the
 reader: a memcpy of the 15 raw chunks into a preallocated buffer, the float32
@@ -21,7 +23,7 @@ reader: a memcpy of the 15 raw chunks into a preallocated buffer, the float32
 same bytes copied into shared memory never touched before, less a copy into touched
 memory), which a first hit pays on LMCache's fresh L1 pages whatever the serde.
 
-    python -m benchmarks.bench_l2_prefetch [--warm 5] [--workers 2] [--out benchmarks/results/l2_prefetch_cpu.md]
+    python -m benchmarks.bench_l2_prefetch [--warm 5] [--workers 2] [--baselines ''] [--out benchmarks/results/l2_prefetch_cpu.md]
 """
 
 from __future__ import annotations
@@ -38,14 +40,21 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.timing import Yardsticks
+from benchmarks.timing import Yardsticks, cpu_description
 
 CHUNK = (30, 256, 384)  # SmolLM2-135M on vLLM's CPU backend: [L, T, H*2*D], H=3, D=64
 CHUNKS = 15
-SETTINGS = {  # the serde dicts compared (head_dim and max_workers added)
+SETTINGS = {  # the tq_jax serde dicts compared (head_dim and max_workers added)
     "default (turbo-4)": {},
     "4/4 + checksum": {"bits": 4},
     "v1 4-bit (format v1)": {"format": "v1"},
+}
+#: What LMCache does without tq_jax, measured beside it: the first hit's ratio to warm ones
+#: that LMCache itself shows, with no serde (raw bf16 values) and with its own ``fp8`` serde
+#: (plain torch casts, nothing to compile). ``None`` is no serde.
+BASELINES = {
+    "no serde (LMCache stores raw bf16)": None,
+    "LMCache's fp8 serde": {"type": "fp8"},
 }
 
 
@@ -56,12 +65,16 @@ def _keys():
             for i in range(CHUNKS)]
 
 
-def _manager(base: str, serde: dict):
+def _manager(base: str, serde: dict | None):
+    """``serde`` is a tq_jax serde dict, a whole serde dict with its ``type``, or ``None``."""
     from tq_jax.bridge._src import registry
     from tq_jax.bridge.smoke import build_manager
 
     registry.register()
-    return build_manager({"type": "fs", "base_path": base, "serde": {"type": "tq_jax", **serde}}, l1_gb=0.5)
+    adapter = {"type": "fs", "base_path": base}
+    if serde is not None:
+        adapter["serde"] = serde if "type" in serde else {"type": "tq_jax", **serde}
+    return build_manager(adapter, l1_gb=0.5)
 
 
 def _layout():
@@ -206,19 +219,42 @@ def main(argv=None) -> None:
     p.add_argument("--warm", type=int, default=5, help="warm prefetches after the first")
     p.add_argument("--workers", type=int, default=2, help="the serde's max_workers")
     p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated names of SETTINGS")
+    p.add_argument("--baselines", default=",".join(BASELINES),
+                   help="comma-separated names of BASELINES (LMCache without tq_jax); '' for none")
     p.add_argument("--out")
     p.add_argument("--role", choices=("write", "read"), help=argparse.SUPPRESS)
     p.add_argument("--base", help=argparse.SUPPRESS)
     p.add_argument("--serde", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.role:
-        serde = json.loads(args.serde)
+        serde = json.loads(args.serde)  # null: no serde
         print(json.dumps(write(args.base, serde) if args.role == "write" else read(args.base, serde, args.warm)))
         return
     rows = []
     yard = []
+
+    def row(name, value, label, r):
+        yard.append((r["memcpy"], r["gemm"], r["floor"]))
+        first, warm = r["times"][0], statistics.median(r["times"][1:])
+        s_first, s_warm = r["serde_s"][0], statistics.median(r["serde_s"][1:])
+        ours = label != "n/a"  # the serde clock and fault count see tq_jax's deserializer only
+        serde = f"{s_first * 1e3:.0f} / {s_warm * 1e3:.0f} ms" if ours else "n/a"
+        faults = f"{r['faults'][0]:,} / {statistics.median(r['faults'][1:]):,.0f}" if ours else "n/a"
+        rows.append(f"| {name} | {value:,} | {label} | {r['build_s']:.1f} s | {first * 1e3:.0f} ms | "
+                    f"{warm * 1e3:.0f} ms | {first / warm:.2f}x | {(warm + r['floor']) / warm:.2f}x | "
+                    f"{serde} | {faults} | {warm / r['memcpy']:.0f}x | {warm / r['gemm']:.2f}x |")
+
     with tempfile.TemporaryDirectory(prefix="tq_jax-l2-prefetch-") as tmp:
-        for name in args.settings.split(","):
+        for name in [b for b in args.baselines.split(",") if b]:
+            serde = BASELINES[name] and {**BASELINES[name], "max_workers": args.workers}
+            base = f"{tmp}/{len(rows)}-l2"
+            stored = _worker("write", base, serde, 0, tmp)
+            assert stored == {"stored": CHUNKS, "failed": 0}, stored
+            value = sorted(Path(base).rglob("*.data"))[0].stat().st_size
+            r = _worker("read", base, serde, args.warm, tmp)
+            assert r["l2_hits"] == [CHUNKS] * (1 + args.warm), r["l2_hits"]
+            row(name, value, "n/a", r)
+        for name in [n for n in args.settings.split(",") if n]:
             serde = {"head_dim": 64, "max_workers": args.workers, **SETTINGS[name]}
             base, remembered = f"{tmp}/{len(rows)}-l2", f"{tmp}/{len(rows)}-cache"
             stored = _worker("write", base, serde, 0, remembered)
@@ -229,20 +265,14 @@ def main(argv=None) -> None:
                                         ("off", {"warmup": False}, remembered)):
                 r = _worker("read", base, {**serde, **extra}, args.warm, cache)
                 assert r["l2_hits"] == [CHUNKS] * (1 + args.warm), r["l2_hits"]
-                yard.append((r["memcpy"], r["gemm"], r["floor"]))
-                first, warm = r["times"][0], statistics.median(r["times"][1:])
-                s_first, s_warm = r["serde_s"][0], statistics.median(r["serde_s"][1:])
-                rows.append(f"| {name} | {value:,} | {label} | {r['build_s']:.1f} s | {first * 1e3:.0f} ms | "
-                            f"{warm * 1e3:.0f} ms | {first / warm:.2f}x | {(warm + r['floor']) / warm:.2f}x | "
-                            f"{s_first * 1e3:.0f} / {s_warm * 1e3:.0f} ms | {r['faults'][0]:,} / "
-                            f"{statistics.median(r['faults'][1:]):,.0f} | {warm / r['memcpy']:.0f}x | {warm / r['gemm']:.2f}x |")
+                row(name, value, label, r)
     mc, gm, fl = (statistics.median(y[i] for y in yard) for i in range(3))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
     lines = [
         "# An L2 hit through LMCache's StorageManager: the first after a start, and warm ones",
         "",
         f"Commit `{commit}`; `python -m benchmarks.bench_l2_prefetch {' '.join(argv if argv is not None else sys.argv[1:])}`; "
-        f"{platform.machine()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end.",
+        f"{platform.machine()} ({cpu_description()}), {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end.",
         "",
         f"15 chunks `[30, 256, 384]` bf16 (SmolLM2-135M's CPU chunk, 3,840 tokens, {CHUNKS * 30 * 256 * 384 * 2 / 2**20:.1f} "
         f"MiB raw) on an `fs` L2, `max_workers` {args.workers}, each reader a fresh process; warm = median of "
@@ -254,7 +284,9 @@ def main(argv=None) -> None:
         "writes into L1 pages (LMCache's pool is POSIX shared memory on a CPU host) and read buffers that no "
         "earlier hit touched, whatever the serde; `(warm + floor) / warm` is the ratio a serde with no "
         "first-call cost of its own would show. *serde time* sums the deserializer's calls over its worker "
-        "threads (first / warm median); *faults* are the minor page faults those threads took inside them.",
+        "threads (first / warm median); *faults* are the minor page faults those threads took inside them. "
+        "The *n/a* rows are LMCache without tq_jax, in the same fresh reader processes: the first / warm ratio "
+        "LMCache itself shows with no serde and with its own `fp8` serde, which has nothing to compile.",
         "",
         "| serde | value bytes | warm-up | manager built in | first prefetch | warm prefetch | first / warm "
         "| (warm + floor) / warm | serde time | serde faults | warm / memcpy | warm / GEMM |",
