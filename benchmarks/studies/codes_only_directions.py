@@ -1,0 +1,309 @@
+"""Which change to the codes cuts the codes-only error: a probe in SmolLM2's generation loop.
+
+Answer (benchmarks/results/codes_only_directions_2k_cpu.md, docs/kvcache.md): at turbo-4's
+bytes the error is half keys, half values; exact outlier tokens or an exact first layer
+change nothing; sink-aware centring on a mean per 256-token block and an entropy-coded
+uniform quantiser each cut the KL by about a third, and together by about two thirds.
+That is still short of +1 % perplexity, which would need the codes within about 0.25
+bit of the rate-distortion bound on top of both.
+
+Codes only (no exact window, no exact sinks) every K/V a step reads is a decoded code,
+the current token's own included. This probe runs the examples.smollm2 strict in-loop
+protocol (prefill ``--prefix`` tokens, then one token per step, ``--scored`` scored,
+lockstep KL against the bf16 cache) with a bf16 cache whose writes go through a
+*prototype* codec: each K/V vector is encoded and decoded on write (``tq_jax``'s own
+codebooks, Hadamard rotation and norm correction, float32 norms), which is what a
+per-vector codes-only cache attends over. Candidates change what is coded:
+
+* ``K{b}V{b}``: bits per coordinate of keys and values; ``K-`` / ``V-``: that side exact
+  (to split the error between keys and values);
+* ``c``: centring, sink-aware: a vector is coded as ``x - mu`` when that lowers its
+  norm, else as ``x`` (one flag bit per vector), with ``mu`` the per-(layer, sequence,
+  KV head) mean of the prefix's vectors (the bf16 reference's, past the first 4 tokens:
+  a serving cache computes it from its own prefill); softmax ignores the constant
+  ``q . mu`` only for a global mean, so the flag's choice must be stored;
+* ``C``: the same with the mean of each ``BLOCK``-token block of the prefix (a mean per
+  LMCache chunk); tokens after the prefix take the last block's;
+* ``o{n}``: the ``n`` vectors of largest norm per (layer, sequence, KV head) in the prefix
+  stay exact (an outlier-token side table; the attention sink is among them); later
+  tokens are coded;
+* ``x{n}``: the first ``n`` layers stay exact (which layers the error comes from);
+* a bit count with a decimal point (``K4.6V3.4``): instead of the Lloyd-Max codebook, a
+  uniform quantiser whose indices an entropy coder would store in that many bits per
+  coordinate (for Gaussian coordinates; the table gives the entropy measured on the
+  prefix's own vectors as the candidate codes them): at high rate the scalar coder
+  that spends a bit best, 1.53 dB from the rate-distortion bound where a fixed-rate
+  Lloyd-Max codebook is 4.35 dB from it.
+
+Bits per value add the flag (1/head_dim), the norm (log-coded 6-bit in turbo presets;
+counted as 6/head_dim here, as in ``turbo-4``), the exact outliers' bytes over the
+sequence, and ``mu`` (16 bits per coordinate per sequence).
+
+    python -m benchmarks.studies.codes_only_directions --prefix 2048 --scored 256 --seqs 2 \
+        --cand K5V3 --cand K5V- --cand K-V3 --cand K5cV3c ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from examples.smollm2 import caches as C
+from examples.smollm2 import quality as Q
+from examples.smollm2.model import load_smollm2
+from tq_jax._src import codec, rotation
+
+SINK_SKIP = 4  # tokens left out of the mean: the attention sink is far from it
+NORM_BITS = 6
+
+
+def _roundtrip(x, bits: int):
+    """Encode and decode ``x [..., d]`` with ``bits`` per coordinate (Hadamard, nc)."""
+    cfg = codec.CodecConfig(dim=x.shape[-1], bits=bits, rotation="hadamard", norm_correction=True)
+    return codec.decode(codec.encode(x.astype(jnp.float32), cfg), cfg)
+
+
+def gaussian_step(entropy: float) -> float:
+    """The step of a uniform quantiser (cells centred on 0) whose index entropy for a
+    unit Gaussian is ``entropy`` bits (bisection on the exact cell probabilities)."""
+    from math import erf, sqrt
+
+    def h(step):
+        edges = (np.arange(-4000, 4001) + 0.5) * step
+        cdf = np.array([0.5 * (1 + erf(e / sqrt(2))) for e in edges])
+        p = np.diff(np.concatenate([[0.0], cdf, [1.0]]))
+        p = p[p > 0]
+        return float(-(p * np.log2(p)).sum())
+
+    lo, hi = 1e-3, 8.0
+    for _ in range(60):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (lo, mid) if h(mid) < entropy else (mid, hi)
+    return (lo * hi) ** 0.5
+
+
+def _rotation(d: int):
+    signs = np.random.default_rng(42).choice([-1.0, 1.0], d)
+    return jnp.asarray((rotation.hadamard(d) * signs[None, :]).T, jnp.float32)  # columns: rotated axes
+
+
+def _uniform_roundtrip(x, entropy: float):
+    """A uniform quantiser of step :func:`gaussian_step` on the rotated, normalised
+    coordinates (``~N(0, 1)``), the indices then entropy-coded (counted as their entropy),
+    with norm correction: the scalar coder that spends a bit best at high rate."""
+    d = x.shape[-1]
+    norm = jnp.linalg.norm(x, axis=-1, keepdims=True)
+    y = (x / jnp.where(norm == 0, 1, norm) * np.sqrt(d)) @ _rotation(d)
+    step = gaussian_step(entropy)
+    yq = jnp.round(y / step) * step
+    yq = yq * np.sqrt(d) / jnp.maximum(jnp.linalg.norm(yq, axis=-1, keepdims=True), 1e-12)
+    return (yq @ _rotation(d).T) * norm / np.sqrt(d)
+
+
+def measured_entropy(x, entropy: float) -> float:
+    """Bits per coordinate of the indices :func:`_uniform_roundtrip` gives ``x [..., d]``
+    (their empirical entropy, what an entropy coder would spend)."""
+    x = np.asarray(x, np.float32).reshape(-1, x.shape[-1])
+    d = x.shape[-1]
+    norm = np.linalg.norm(x, axis=-1, keepdims=True)
+    y = (x / np.where(norm == 0, 1, norm) * np.sqrt(d)) @ np.asarray(_rotation(d))
+    _, counts = np.unique(np.round(y / gaussian_step(entropy)).astype(np.int64), return_counts=True)
+    p = counts / counts.sum()
+    return float(-(p * np.log2(p)).sum())
+
+
+def _code(x, bits, mu, centre: str, pos):
+    """``x [B, T, H, d]`` as the candidate stores it. ``mu``: the global means ``[B, H, d]``
+    (``centre == "c"``) or the block means ``[B, n_blocks, H, d]`` (``"C"``), a token at
+    position ``p`` taking block ``min(p // BLOCK, n_blocks - 1)``'s; ``pos [T]``."""
+    if bits is None:
+        return x
+    code = (lambda y: _uniform_roundtrip(y, bits)) if isinstance(bits, float) else (lambda y: _roundtrip(y, bits))
+    if not centre:
+        return code(x)
+    if centre == "C":
+        m = mu[:, jnp.minimum(pos // BLOCK, mu.shape[1] - 1)]  # [B, T, H, d]
+    else:
+        m = mu[:, None]
+    r = x - m
+    use = jnp.sum(r * r, -1, keepdims=True) < jnp.sum(x * x, -1, keepdims=True)
+    return jnp.where(use, code(r) + m, code(x))
+
+
+BLOCK = 256  # tokens per block mean (an LMCache chunk)
+_CAND = re.compile(r"^K(?P<kb>\d(?:\.\d+)?|-)(?P<kc>[cC]?)V(?P<vb>\d(?:\.\d+)?|-)(?P<vc>[cC]?)"
+                   r"(?:o(?P<o>\d+))?(?:x(?P<x>\d+))?$")
+
+
+class Candidate:
+    """A duck-typed ``CacheSpec`` for ``quality.in_loop``: a bf16 cache whose writes code."""
+
+    kind = "fakequant"
+
+    def __init__(self, label: str, means, exact_mask):
+        m = _CAND.match(label)
+        if not m:
+            raise ValueError(f"candidate {label!r}: expected K<bits|->[c]V<bits|->[c][o<n>], e.g. K5cV3")
+        self.label = label
+        kb, vb = m["kb"], m["vb"]
+        number = lambda t: None if t == "-" else float(t) if "." in t else int(t)  # noqa: E731
+        self.kbits, self.vbits = number(kb), number(vb)
+        self.kc, self.vc = m["kc"], m["vc"]
+        self.outliers = int(m["o"] or 0)
+        self.exact_layers = int(m["x"] or 0)
+        kbits, vbits, kc, vc = self.kbits, self.vbits, self.kc, self.vc
+        use_exact = self.outliers > 0
+        mu_k = means["C" if kc == "C" else "c"][0]
+        mu_v = means["C" if vc == "C" else "c"][1]
+        exact_layers = self.exact_layers
+
+        def transform(layer, k, v, start):
+            pos = start[0] + jnp.arange(k.shape[1])  # the windows run in lockstep: one start
+            kq = _code(k.astype(jnp.float32), kbits, mu_k[layer], kc, pos)
+            vq = _code(v.astype(jnp.float32), vbits, mu_v[layer], vc, pos)
+            if exact_layers:
+                kq = jnp.where(layer < exact_layers, k.astype(jnp.float32), kq)
+                vq = jnp.where(layer < exact_layers, v.astype(jnp.float32), vq)
+            if use_exact:  # exact_mask [L, B, P, H]: the prefix's outlier tokens
+                t = k.shape[1]
+                keep = jax.lax.dynamic_slice_in_dim(exact_mask[layer], 0, t, axis=1) if t > 1 else None
+                if keep is not None:
+                    kq = jnp.where(keep[..., None], k.astype(jnp.float32), kq)
+                    vq = jnp.where(keep[..., None], v.astype(jnp.float32), vq)
+            return kq, vq
+
+        self.cls = type(f"FakeQuant_{len(_TYPES)}", (C.DenseCache,), {"transform": staticmethod(transform)})
+        _TYPES.append(self.cls)
+
+    def init(self, cfg, batch, max_len):
+        return self.cls(*C.init_cache(cfg, "bf16", batch, max_len))
+
+    def bits_per_value(self, d: int, seq_len: int, layers: int) -> float:
+        per = []
+        for bits, centred in ((self.kbits, self.kc), (self.vbits, self.vc)):
+            if bits is None:
+                per.append(16.0)
+                continue
+            mean_bits = {"": 0, "c": 16 / seq_len, "C": 16 / BLOCK}[centred]
+            b = bits + NORM_BITS / d + (1 / d if centred else 0) + mean_bits + self.outliers * 16 / seq_len
+            per.append((b * (layers - self.exact_layers) + 16 * self.exact_layers) / layers)
+        return sum(per) / 2
+
+
+_TYPES: list = []
+_dense_write = C._dense_write
+
+
+def _write(cache, layer, k, v):
+    """``examples.smollm2.caches._dense_write``, coding K/V first for a candidate's cache."""
+    transform = getattr(type(cache), "transform", None)
+    if transform is not None:
+        k, v = transform(layer, k, v, cache.lengths[layer])
+    return type(cache)(*_dense_write(C.DenseCache(*cache), layer, k, v))
+
+
+def prefix_stats(params, cfg, windows, prefix: int, outliers: int):
+    """Per (layer, sequence, KV head): the mean K and V of the prefix past its first
+    ``SINK_SKIP`` tokens (``"c"``) and of each of its ``BLOCK``-token blocks (``"C"``), and
+    a mask of its ``outliers`` tokens of largest key norm."""
+    prefill = jax.jit(C.make_step(cfg, last_only=True), donate_argnums=1)
+    cache = C.init_cache(cfg, "bf16", windows.shape[0], windows.shape[1] - 1)
+    _, cache = prefill(params, cache, jnp.asarray(windows[:, :prefix]))
+    k, v = C.dense_kv(cache, 0, prefix)  # [L, B, P, H, d]
+    k, v = k.astype(jnp.float32), v.astype(jnp.float32)
+    mu_k, mu_v = k[:, :, SINK_SKIP:].mean(2), v[:, :, SINK_SKIP:].mean(2)
+    n_blocks = prefix // BLOCK
+    blocks = lambda x: x[:, :, : n_blocks * BLOCK].reshape(*x.shape[:2], n_blocks, BLOCK, *x.shape[3:])  # noqa: E731
+    bk, bv = blocks(k), blocks(v)
+    # the first block's mean leaves out the sink tokens, like the global one
+    bmu_k = jnp.concatenate([bk[:, :, :1, SINK_SKIP:].mean(3), bk[:, :, 1:].mean(3)], axis=2)
+    bmu_v = jnp.concatenate([bv[:, :, :1, SINK_SKIP:].mean(3), bv[:, :, 1:].mean(3)], axis=2)
+    mask = jnp.zeros(k.shape[:-1], bool)
+    if outliers:
+        norm = jnp.linalg.norm(k, axis=-1)  # [L, B, P, H]
+        kth = -jnp.sort(-norm, axis=2)[:, :, outliers - 1 : outliers]
+        mask = norm >= kth
+    return {"c": (mu_k, mu_v), "C": (bmu_k, bmu_v), "kv": (k, v)}, mask
+
+
+def _centred(x, means, side: int, centre: str):
+    """The prefix's vectors ``x [L, B, P, H, d]`` as a centring candidate codes them."""
+    if not centre:
+        return x
+    mu = means[centre][side]
+    if centre == "C":
+        m = jnp.repeat(mu, BLOCK, axis=2)[:, :, : x.shape[2]]
+        m = jnp.concatenate([m, jnp.repeat(m[:, :, -1:], x.shape[2] - m.shape[2], axis=2)], axis=2)
+    else:
+        m = mu[:, :, None]
+    r = x - m
+    return jnp.where(jnp.sum(r * r, -1, keepdims=True) < jnp.sum(x * x, -1, keepdims=True), r, x)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prefix", type=int, default=2048)
+    p.add_argument("--scored", type=int, default=256)
+    p.add_argument("--seqs", type=int, default=2)
+    p.add_argument("--topic", default=Q.TEXT_TOPIC)
+    p.add_argument("--cand", action="append", required=True)
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    C._dense_write = _write
+    params, cfg, tok = load_smollm2()
+    ids = Q.text_tokens(tok, args.topic)
+    windows = Q.text_windows(ids, args.seqs, args.prefix + args.scored)
+    outliers = max([int(m["o"] or 0) for m in map(_CAND.match, args.cand) if m] + [0])
+    means, mask = prefix_stats(params, cfg, windows, args.prefix, outliers)
+    cands = []
+    for label in args.cand:
+        m = _CAND.match(label)
+        n = int(m["o"] or 0) if m else 0
+        if n == outliers:
+            own = mask
+        elif n == 0:
+            own = jnp.zeros_like(mask)
+        else:
+            own = prefix_stats(params, cfg, windows, args.prefix, n)[2]
+        cands.append(Candidate(label, means, own))
+    t0 = time.perf_counter()
+    results = Q.in_loop(params, cfg, windows, args.prefix, cands)
+    rows = Q.summarize(results)
+    seq_len = args.prefix + args.scored
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    lines = [
+        "# Codes only in SmolLM2's loop: prototype codecs on write",
+        "",
+        f"`python -m benchmarks.studies.codes_only_directions {' '.join(argv or __import__('sys').argv[1:])}` "
+        f"at `{commit}`; {time.perf_counter() - t0:.0f} s. Text `{args.topic}`, {args.seqs} windows, prefix "
+        f"{args.prefix}, {args.scored} scored per window, one token per step. Bits per value at head_dim "
+        f"{cfg.head_dim} over {seq_len} tokens (module docstring).",
+        "",
+        "| candidate | bits / value | entropy measured (K, V) | ΔPPL vs bf16 | KL (nats) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    by_label = {c.label: c for c in cands}
+    for r in rows:
+        if r.label == "bf16":
+            continue
+        c = by_label[r.label]
+        bpv = c.bits_per_value(cfg.head_dim, seq_len, cfg.layers)
+        ent = [f"{measured_entropy(_centred(x, means, side, centre), b):.3f}" if isinstance(b, float) else ""
+               for side, (x, b, centre) in enumerate(zip(means["kv"], (c.kbits, c.vbits), (c.kc, c.vc)))]
+        lines.append(f"| {r.label} | {bpv:.3f} | {', '.join(ent) if any(ent) else ''} | "
+                     f"{100 * r.d_ppl:+.2f}% ± {100 * r.d_ppl_se:.2f} | "
+                     f"{r.kl:.4f} ± {r.kl_se:.4f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        open(args.out, "w").write(text)
+
+
+if __name__ == "__main__":
+    main()
