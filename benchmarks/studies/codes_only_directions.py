@@ -4,8 +4,8 @@ Answer (benchmarks/results/codes_only_directions_2k_cpu.md, docs/kvcache.md): at
 bytes the error is half keys, half values; exact outlier tokens or an exact first layer
 change nothing; sink-aware centring on a mean per 256-token block and an entropy-coded
 uniform quantiser each cut the KL by about a third, and together by about two thirds.
-That is still short of +1 % perplexity, which would need the codes within about 0.25
-bit of the rate-distortion bound on top of both.
+That is still short of +1 % perplexity (KL near 0.01): that would take the last quarter
+bit between an entropy-coded scalar quantiser and the rate-distortion bound as well.
 
 Codes only (no exact window, no exact sinks) every K/V a step reads is a decoded code,
 the current token's own included. This probe runs the examples.smollm2 strict in-loop
