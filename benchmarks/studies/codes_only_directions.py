@@ -1,11 +1,12 @@
 """Which change to the codes cuts the codes-only error: a probe in SmolLM2's generation loop.
 
-Answer (benchmarks/results/codes_only_directions_{2k,4k}_cpu.md, docs/kvcache.md): at
-turbo-4's bytes the error is half keys, half values; exact outlier tokens or an exact
-first layer change nothing. Sink-aware centring on a mean per 256-token block and an
-entropy-coded uniform quantiser each cut the KL by about a third, and together by two
-thirds (KL 0.010-0.015, +1.4 to +2.9 %). +1 % would also take most of the last 1.53 dB
-between such a quantiser and the rate-distortion bound.
+Answer (benchmarks/results/codes_only_directions_{2k,4k,heldout_2k}_cpu.md,
+docs/kvcache.md): at turbo-4's bytes the error is half keys, half values; exact outlier
+tokens or an exact first layer change nothing. Sink-aware centring on a mean per
+256-token block and an entropy-coded uniform quantiser each cut the KL by about a third.
+Together, at 4.27 bits, they reach +0.8 to +1.8 % (KL 0.009-0.014): around +1 %, not
+reliably within it. Entropy-coded indices have no fixed size, which LMCache's values and
+the cache's pages need, so only centring could ship as it stands.
 
 Codes only (no exact window, no exact sinks) every K/V a step reads is a decoded code,
 the current token's own included. This probe runs the examples.smollm2 strict in-loop
