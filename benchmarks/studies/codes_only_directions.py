@@ -5,8 +5,9 @@ docs/kvcache.md): at turbo-4's bytes the error is half keys, half values; exact 
 tokens or an exact first layer change nothing. Sink-aware centring on a mean per
 256-token block and an entropy-coded uniform quantiser each cut the KL by about a third.
 Together, at 4.27 bits, they reach +0.8 to +1.8 % (KL 0.009-0.014): around +1 %, not
-reliably within it. Entropy-coded indices have no fixed size, which LMCache's values and
-the cache's pages need, so only centring could ship as it stands.
+reliably within it. Centring could ship as it is. Entropy-coded pages could have a fixed
+size: under a static code table the worst 16-token page strays 0.02 bit from the design
+(benchmarks/results/codes_only_page_lengths_cpu.md).
 
 Codes only (no exact window, no exact sinks) every K/V a step reads is a decoded code,
 the current token's own included. This probe runs the examples.smollm2 strict in-loop
@@ -34,7 +35,9 @@ per-vector codes-only cache attends over. Candidates change what is coded:
   coordinate (for Gaussian coordinates; the table gives the entropy measured on the
   prefix's own vectors as the candidate codes them): at high rate the scalar coder
   that spends a bit best, 1.53 dB from the rate-distortion bound where a fixed-rate
-  Lloyd-Max codebook is 4.35 dB from it.
+  Lloyd-Max codebook is 4.35 dB from it;
+* ``--lengths``: no loop; how far each page's code length under a static code strays
+  from the design entropy (can entropy-coded pages have a fixed size?).
 
 Bits per value add the flag (1/head_dim), the norm (log-coded 6-bit in turbo presets;
 counted as 6/head_dim here, as in ``turbo-4``), the exact outliers' bytes over the
@@ -117,6 +120,34 @@ def measured_entropy(x, entropy: float) -> float:
     _, counts = np.unique(np.round(y / gaussian_step(entropy)).astype(np.int64), return_counts=True)
     p = counts / counts.sum()
     return float(-(p * np.log2(p)).sum())
+
+
+def static_code_bits(x, entropy: float) -> np.ndarray:
+    """Bits each coordinate of ``x [..., d]`` costs under a *static* code: the indices of
+    :func:`_uniform_roundtrip` priced at ``-log2 p`` of the Gaussian design's cell
+    probabilities (what an arithmetic coder with a fixed table spends; no statistics of
+    the data are sent). Shape ``x.shape``."""
+    from math import erf, sqrt
+
+    x = np.asarray(x, np.float32)
+    d = x.shape[-1]
+    norm = np.linalg.norm(x, axis=-1, keepdims=True)
+    y = (x / np.where(norm == 0, 1, norm) * np.sqrt(d)) @ np.asarray(_rotation(d))
+    step = gaussian_step(entropy)
+    q = np.round(y / step).astype(np.int64)
+    idx = np.arange(q.min(), q.max() + 1)
+    cdf = np.vectorize(lambda e: 0.5 * (1 + erf(e / sqrt(2))))
+    p = cdf((idx + 0.5) * step) - cdf((idx - 0.5) * step)
+    return (-np.log2(np.maximum(p, 1e-300)))[q - idx[0]]
+
+
+def page_bits(bits: np.ndarray, page: int) -> np.ndarray:
+    """Mean bits per coordinate of each page of ``page`` tokens of one (layer, sequence,
+    head): ``bits [L, B, P, H, d]`` -> a flat array, one entry per page."""
+    n_l, n_b, n_p, n_h, d = bits.shape
+    n = n_p // page * page
+    per = bits[:, :, :n].reshape(n_l, n_b, n_p // page, page, n_h, d).transpose(0, 1, 2, 4, 3, 5)
+    return per.reshape(-1, page * d).mean(axis=1)
 
 
 def _code(x, bits, mu, centre: str, pos):
@@ -247,6 +278,40 @@ def _centred(x, means, side: int, centre: str):
     return jnp.where(jnp.sum(r * r, -1, keepdims=True) < jnp.sum(x * x, -1, keepdims=True), r, x)
 
 
+def _lengths(args, argv, means, cands) -> None:
+    """The ``--lengths`` report: per entropy-coded candidate, side and page size, how far
+    the pages' static-code lengths stray from the design entropy."""
+    import sys
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    lines = [
+        "# Entropy-coded codes in fixed-size pages: how much each page's code length strays",
+        "",
+        f"`python -m benchmarks.studies.codes_only_directions {' '.join(argv or sys.argv[1:])}` at `{commit}`. "
+        f"Text `{args.topic}`, {args.seqs} windows, the prefix's {args.prefix} tokens of every layer and KV "
+        "head as each candidate codes them (centred where it centres), priced by a static code "
+        "(`static_code_bits`: the Gaussian design's cell probabilities, no statistics sent). One page "
+        "is one (layer, sequence, KV head) and `page` consecutive tokens.",
+        "",
+        "| candidate | side | design bits | page (tokens) | pages | mean bits | std | 99.9th pct | max | max - design |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in cands:
+        for side, (bits, centre) in enumerate(((c.kbits, c.kc), (c.vbits, c.vc))):
+            if not isinstance(bits, float):
+                continue
+            cost = static_code_bits(_centred(means["kv"][side], means, side, centre), bits)
+            for page in (16, 64, 256):
+                per = page_bits(cost, page)
+                lines.append(f"| {c.label} | {'KV'[side]} | {bits:.2f} | {page} | {per.size:,} | {per.mean():.4f} | "
+                             f"{per.std():.4f} | {np.quantile(per, 0.999):.4f} | {per.max():.4f} | "
+                             f"{per.max() - bits:+.4f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        open(args.out, "w").write(text)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prefix", type=int, default=2048)
@@ -254,6 +319,8 @@ def main(argv=None) -> None:
     p.add_argument("--seqs", type=int, default=2)
     p.add_argument("--topic", default=Q.TEXT_TOPIC)
     p.add_argument("--cand", action="append", required=True)
+    p.add_argument("--lengths", action="store_true",
+                   help="only the code lengths of the entropy-coded candidates' pages (no loop)")
     p.add_argument("--out")
     args = p.parse_args(argv)
     C._dense_write = _write
@@ -273,6 +340,8 @@ def main(argv=None) -> None:
         else:
             own = prefix_stats(params, cfg, windows, args.prefix, n)[2]
         cands.append(Candidate(label, means, own))
+    if args.lengths:
+        return _lengths(args, argv, means, cands)
     t0 = time.perf_counter()
     results = Q.in_loop(params, cfg, windows, args.prefix, cands)
     rows = Q.summarize(results)

@@ -79,3 +79,17 @@ def test_the_uniform_coder_spends_the_entropy_it_is_named_for(entropy):
     step = D.gaussian_step(entropy)
     got = _err(D._code(x, entropy, None, "", None), x) / float(jnp.mean(jnp.sum(x * x, -1)))
     assert got == pytest.approx(step**2 / 12, rel=0.2)
+
+
+def test_static_code_lengths_of_gaussian_pages_match_the_design_entropy():
+    """Under the static Gaussian code, the mean cost is the design entropy (an
+    independent check: the entropy of the cell probabilities), and pages of 64 vectors
+    stray from it by the binomial spread of a mean of 4096 coordinates, not more."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((1, 1, 256, 2, 64)).astype(np.float32)
+    bits = D.static_code_bits(x, 3.5)
+    assert bits.shape == x.shape
+    assert float(bits.mean()) == pytest.approx(3.5, abs=0.02)
+    per = D.page_bits(bits, 64)
+    assert per.shape == (8,)  # 4 pages of 64 tokens x 2 heads
+    assert float(per.std()) < 0.05 and abs(float(per.mean()) - float(bits.mean())) < 1e-6
