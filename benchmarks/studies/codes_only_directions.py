@@ -36,6 +36,9 @@ per-vector codes-only cache attends over. Candidates change what is coded:
   prefix's own vectors as the candidate codes them): at high rate the scalar coder
   that spends a bit best, 1.53 dB from the rate-distortion bound where a fixed-rate
   Lloyd-Max codebook is 4.35 dB from it;
+* ``--loaded-prefix``: the loaded-prefix protocol instead (``quality --loaded-prefix``):
+  the prefix is stored by the candidate and loaded into a bf16 cache, every later token
+  exact, as vLLM continues after LMCache loads a prefix;
 * ``--lengths``: no loop; how far each page's code length under a static code strays
   from the design entropy (can entropy-coded pages have a fixed size?).
 
@@ -216,6 +219,17 @@ class Candidate:
     def init(self, cfg, batch, max_len):
         return self.cls(*C.init_cache(cfg, "bf16", batch, max_len))
 
+    def roundtrip(self, k, v):
+        """``stored_roundtrip`` for the loaded-prefix protocol: the prefix's K/V
+        ``[L, B, T, H, d]`` as this candidate stores them, and their bytes."""
+        start = jnp.zeros((k.shape[1],), jnp.int32)
+        pairs = [self.cls.transform(layer, k[layer], v[layer], start) for layer in range(k.shape[0])]
+        kd = jnp.stack([a for a, _ in pairs]).astype(jnp.bfloat16)
+        vd = jnp.stack([b for _, b in pairs]).astype(jnp.bfloat16)
+        n_l, _, n_t, _, d = k.shape
+        stored = int(self.bits_per_value(d, n_t, n_l) * (k.size + v.size) / 8)
+        return kd, vd, stored
+
     def bits_per_value(self, d: int, seq_len: int, layers: int) -> float:
         per = []
         for bits, centred in ((self.kbits, self.kc), (self.vbits, self.vc)):
@@ -319,6 +333,8 @@ def main(argv=None) -> None:
     p.add_argument("--seqs", type=int, default=2)
     p.add_argument("--topic", default=Q.TEXT_TOPIC)
     p.add_argument("--cand", action="append", required=True)
+    p.add_argument("--loaded-prefix", action="store_true",
+                   help="the loaded-prefix protocol (quality --loaded-prefix): the prefix from codes, every later token exact")
     p.add_argument("--lengths", action="store_true",
                    help="only the code lengths of the entropy-coded candidates' pages (no loop)")
     p.add_argument("--out")
@@ -343,12 +359,16 @@ def main(argv=None) -> None:
     if args.lengths:
         return _lengths(args, argv, means, cands)
     t0 = time.perf_counter()
-    results = Q.in_loop(params, cfg, windows, args.prefix, cands)
+    if args.loaded_prefix:
+        stored = Q.stored_roundtrip
+        Q.stored_roundtrip = lambda spec, k, v: spec.roundtrip(k, v) if isinstance(spec, Candidate) else stored(spec, k, v)
+    results = Q.in_loop(params, cfg, windows, args.prefix, cands, loaded=args.loaded_prefix)
     rows = Q.summarize(results)
     seq_len = args.prefix + args.scored
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = [
-        "# Codes only in SmolLM2's loop: prototype codecs on write",
+        "# A prefix loaded from codes, then exact tokens: prototype codecs" if args.loaded_prefix
+        else "# Codes only in SmolLM2's loop: prototype codecs on write",
         "",
         f"`python -m benchmarks.studies.codes_only_directions {' '.join(argv or __import__('sys').argv[1:])}` "
         f"at `{commit}`; {time.perf_counter() - t0:.0f} s. Text `{args.topic}`, {args.seqs} windows, prefix "
