@@ -93,3 +93,20 @@ def test_static_code_lengths_of_gaussian_pages_match_the_design_entropy():
     per = D.page_bits(bits, 64)
     assert per.shape == (8,)  # 4 pages of 64 tokens x 2 heads
     assert float(per.std()) < 0.05 and abs(float(per.mean()) - float(bits.mean())) < 1e-6
+
+
+def test_the_loaded_prefix_round_trip_codes_every_layer_and_counts_its_bytes():
+    rng = np.random.default_rng(3)
+    k = jnp.asarray(rng.standard_normal((2, 1, 8, 1, 64)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((2, 1, 8, 1, 64)), jnp.bfloat16)
+    zeros = jnp.zeros((2, 1, 1, 64))
+    means = {"c": (zeros, zeros), "C": (zeros[:, :, None], zeros[:, :, None])}
+    exact = D.Candidate("K-V-", means, None)
+    kd, vd, _ = exact.roundtrip(k, v)
+    np.testing.assert_array_equal(np.asarray(kd), np.asarray(k))
+    coded = D.Candidate("K5V3", means, None)
+    kd, vd, nbytes = coded.roundtrip(k, v)
+    for layer in range(2):
+        want = D._code(k[layer].astype(jnp.float32), 5, None, "", None).astype(jnp.bfloat16)
+        np.testing.assert_array_equal(np.asarray(kd[layer]), np.asarray(want))
+    assert nbytes == int((4 + D.NORM_BITS / 64) * (k.size + v.size) / 8)
