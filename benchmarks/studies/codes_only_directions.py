@@ -40,7 +40,8 @@ per-vector codes-only cache attends over. Candidates change what is coded:
   Lloyd-Max codebook is 4.35 dB from it;
 * ``--loaded-prefix``: the loaded-prefix protocol instead (``quality --loaded-prefix``):
   the prefix is stored by the candidate and loaded into a bf16 cache, every later token
-  exact, as vLLM continues after LMCache loads a prefix;
+  exact, as vLLM continues after LMCache loads a prefix; ``--cand fp8`` adds float8 e4m3
+  beside the candidates;
 * ``--lengths``: no loop; how far each page's code length under a static code strays
   from the design entropy (can entropy-coded pages have a fixed size?).
 
@@ -244,6 +245,20 @@ class Candidate:
         return sum(per) / 2
 
 
+class Fp8(C.CacheSpec):
+    """``fp8``: float8 e4m3 with scale 1 (``quality --loaded-prefix``'s own), beside the
+    candidates under ``--loaded-prefix``; 8 bits per value."""
+
+    kbits = vbits = None
+    kc = vc = ""
+
+    def __init__(self):
+        super().__init__("fp8", "fp8")
+
+    def bits_per_value(self, d: int, seq_len: int, layers: int) -> float:
+        return 8.0
+
+
 _TYPES: list = []
 _dense_write = C._dense_write
 
@@ -349,6 +364,9 @@ def main(argv=None) -> None:
     means, mask = prefix_stats(params, cfg, windows, args.prefix, outliers)
     cands = []
     for label in args.cand:
+        if label == "fp8":  # the stored-format yardstick of the loaded-prefix protocol
+            cands.append(Fp8())
+            continue
         m = _CAND.match(label)
         n = int(m["o"] or 0) if m else 0
         if n == outliers:
