@@ -1,13 +1,14 @@
 """Which change to the codes cuts the codes-only error: a probe in SmolLM2's generation loop.
 
-Answer (benchmarks/results/codes_only_directions_{2k,4k,heldout_2k,loaded_prefix_4k}_cpu.md,
+Answer (benchmarks/results/codes_only_directions_{2k,4k,heldout_2k,loaded_prefix_4k,
+loaded_prefix_heldout_2k}_cpu.md,
 docs/kvcache.md): at turbo-4's bytes the error is half keys, half values; exact outlier
 tokens or an exact first layer change nothing. Sink-aware centring on a mean per
 256-token block and an entropy-coded uniform quantiser each cut the KL by about a third.
 Together, at 4.27 bits, they reach +0.8 to +1.8 % (KL 0.009-0.014): around +1 %, not
-reliably within it. Storing a loaded 4k prefix (--loaded-prefix), the two together
-move the model less than fp8 e4m3 does (KL 0.0014-0.0018 against 0.0025) at about half
-its bytes. Centring could ship as it is. Entropy-coded pages could have a fixed
+reliably within it. Storing a loaded prefix (--loaded-prefix), the two together move
+the model as little as fp8 e4m3 does (KL 0.0013-0.0018 against 0.0016-0.0025) at about
+half its bytes. Centring could ship as it is. Entropy-coded pages could have a fixed
 size: under a static code table the worst 16-token page strays 0.02 bit from the design
 (benchmarks/results/codes_only_page_lengths_cpu.md).
 
