@@ -157,21 +157,32 @@ def page_bits(bits: np.ndarray, page: int) -> np.ndarray:
     return per.reshape(-1, page * d).mean(axis=1)
 
 
+def _mean_at(mu, centre: str, pos):
+    """The mean each position is centred on: ``mu [..., H, d]`` (``"c"``, one mean) or the
+    block means ``mu [..., n_blocks, H, d]`` (``"C"``), position ``p`` taking block
+    ``min(p // BLOCK, n_blocks - 1)``'s; ``pos [T]`` -> ``[..., T or 1, H, d]``."""
+    if centre == "C":
+        return jnp.take(mu, jnp.minimum(pos // BLOCK, mu.shape[-3] - 1), axis=-3)
+    return mu[..., None, :, :]
+
+
+def _sink_aware(x, m):
+    """``(use, x - m)``: the flag is set where centring lowers the vector's norm."""
+    r = x - m
+    return jnp.sum(r * r, -1, keepdims=True) < jnp.sum(x * x, -1, keepdims=True), r
+
+
 def _code(x, bits, mu, centre: str, pos):
-    """``x [B, T, H, d]`` as the candidate stores it. ``mu``: the global means ``[B, H, d]``
-    (``centre == "c"``) or the block means ``[B, n_blocks, H, d]`` (``"C"``), a token at
-    position ``p`` taking block ``min(p // BLOCK, n_blocks - 1)``'s; ``pos [T]``."""
+    """``x [B, T, H, d]`` as the candidate stores it: coded plainly, or centred
+    (:func:`_mean_at`, :func:`_sink_aware`) with ``mu`` the means ``[B, H, d]`` or block
+    means ``[B, n_blocks, H, d]``; ``pos [T]``."""
     if bits is None:
         return x
     code = (lambda y: _uniform_roundtrip(y, bits)) if isinstance(bits, float) else (lambda y: _roundtrip(y, bits))
     if not centre:
         return code(x)
-    if centre == "C":
-        m = mu[:, jnp.minimum(pos // BLOCK, mu.shape[1] - 1)]  # [B, T, H, d]
-    else:
-        m = mu[:, None]
-    r = x - m
-    use = jnp.sum(r * r, -1, keepdims=True) < jnp.sum(x * x, -1, keepdims=True)
+    m = _mean_at(mu, centre, pos)
+    use, r = _sink_aware(x, m)
     return jnp.where(use, code(r) + m, code(x))
 
 
@@ -300,14 +311,19 @@ def _centred(x, means, side: int, centre: str):
     """The prefix's vectors ``x [L, B, P, H, d]`` as a centring candidate codes them."""
     if not centre:
         return x
-    mu = means[centre][side]
-    if centre == "C":
-        m = jnp.repeat(mu, BLOCK, axis=2)[:, :, : x.shape[2]]
-        m = jnp.concatenate([m, jnp.repeat(m[:, :, -1:], x.shape[2] - m.shape[2], axis=2)], axis=2)
-    else:
-        m = mu[:, :, None]
-    r = x - m
-    return jnp.where(jnp.sum(r * r, -1, keepdims=True) < jnp.sum(x * x, -1, keepdims=True), r, x)
+    use, r = _sink_aware(x, _mean_at(means[centre][side], centre, jnp.arange(x.shape[2])))
+    return jnp.where(use, r, x)
+
+
+def _commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+
+
+def _report(lines: list[str], out: str | None) -> None:
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if out:
+        open(out, "w").write(text)
 
 
 def _lengths(args, argv, means, cands) -> None:
@@ -315,11 +331,10 @@ def _lengths(args, argv, means, cands) -> None:
     the pages' static-code lengths stray from the design entropy."""
     import sys
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = [
         "# Entropy-coded codes in fixed-size pages: how much each page's code length strays",
         "",
-        f"`python -m benchmarks.studies.codes_only_directions {' '.join(argv or sys.argv[1:])}` at `{commit}`. "
+        f"`python -m benchmarks.studies.codes_only_directions {' '.join(argv or sys.argv[1:])}` at `{_commit()}`. "
         f"Text `{args.topic}`, {args.seqs} windows, the prefix's {args.prefix} tokens of every layer and KV "
         "head as each candidate codes them (centred where it centres), priced by a static code "
         "(`static_code_bits`: the Gaussian design's cell probabilities, no statistics sent). One page "
@@ -338,10 +353,7 @@ def _lengths(args, argv, means, cands) -> None:
                 lines.append(f"| {c.label} | {'KV'[side]} | {bits:.2f} | {page} | {per.size:,} | {per.mean():.4f} | "
                              f"{per.std():.4f} | {np.quantile(per, 0.999):.4f} | {per.max():.4f} | "
                              f"{per.max() - bits:+.4f} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        open(args.out, "w").write(text)
+    _report(lines, args.out)
 
 
 def main(argv=None) -> None:
@@ -386,13 +398,12 @@ def main(argv=None) -> None:
     results = Q.in_loop(params, cfg, windows, args.prefix, cands, loaded=args.loaded_prefix)
     rows = Q.summarize(results)
     seq_len = args.prefix + args.scored
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = [
         "# A prefix loaded from codes, then exact tokens: prototype codecs" if args.loaded_prefix
         else "# Codes only in SmolLM2's loop: prototype codecs on write",
         "",
         f"`python -m benchmarks.studies.codes_only_directions {' '.join(argv or __import__('sys').argv[1:])}` "
-        f"at `{commit}`; {time.perf_counter() - t0:.0f} s. Text `{args.topic}`, {args.seqs} windows, prefix "
+        f"at `{_commit()}`; {time.perf_counter() - t0:.0f} s. Text `{args.topic}`, {args.seqs} windows, prefix "
         f"{args.prefix}, {args.scored} scored per window, one token per step. Bits per value at head_dim "
         f"{cfg.head_dim} over {seq_len} tokens (module docstring).",
         "",
@@ -410,10 +421,7 @@ def main(argv=None) -> None:
         lines.append(f"| {r.label} | {bpv:.3f} | {', '.join(ent) if any(ent) else ''} | "
                      f"{100 * r.d_ppl:+.2f}% ± {100 * r.d_ppl_se:.2f} | "
                      f"{r.kl:.4f} ± {r.kl_se:.4f} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        open(args.out, "w").write(text)
+    _report(lines, args.out)
 
 
 if __name__ == "__main__":
