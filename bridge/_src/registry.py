@@ -40,9 +40,9 @@ import time
 from collections.abc import Callable, Mapping
 
 from lmcache.v1.distributed.serde import factory as _lmc_factory
-from lmcache.v1.distributed.serde.async_processor import AsyncSerdeProcessor
 
 import tq_jax
+from tq_jax.bridge._src import processor as _processor
 from tq_jax.bridge._src import reconnect as _reconnect
 from tq_jax.bridge._src import seal as _seal
 from tq_jax.bridge._src import serde as _serde
@@ -87,8 +87,10 @@ ALIASES = ("tqai",)  # the reference plugin's type name: its configs work unchan
 WIRE_VERSION = 2  # the newest TQ01 version this bridge writes
 
 
-def make_serde_processor(kwargs: Mapping[str, object]) -> AsyncSerdeProcessor:
-    """The factory LMCache calls: validated options → ``AsyncSerdeProcessor``.
+def make_serde_processor(kwargs: Mapping[str, object]) -> _processor.ParallelSerdeProcessor:
+    """The factory LMCache calls: validated options → LMCache's ``AsyncSerdeProcessor``
+    running each batch's objects over ``max_workers`` threads
+    (:class:`~tq_jax.bridge._src.processor.ParallelSerdeProcessor`).
 
     Raises:
         ValueError, TypeError: as :func:`parse_options`.
@@ -96,7 +98,7 @@ def make_serde_processor(kwargs: Mapping[str, object]) -> AsyncSerdeProcessor:
     o = parse_options(kwargs)
     serializer, deserializer = build_serde(o)
     inner = getattr(serializer, "inner", serializer)
-    proc = AsyncSerdeProcessor(serializer, deserializer, max_workers=o.max_workers)
+    proc = _processor.ParallelSerdeProcessor(serializer, deserializer, max_workers=o.max_workers)
     logger.info("%s", created_message(o, inner.options, resolve_device(o.device), paired=inner.paired))
     if o.warmup:
         warm(inner, getattr(deserializer, "inner", deserializer))

@@ -286,7 +286,7 @@ _BRIDGE_FIRST = (
     Option("bits", 4, _bits, f"bits per coordinate of keys and values, 1..8 ({', '.join(map(str, _wire.READ_BITS_V1))} stay TQ01 v1)"),
 )
 _BRIDGE_V1 = (
-    Option("max_workers", 1, _int_in(1, MAX_WORKERS), "AsyncSerdeProcessor thread-pool size"),
+    Option("max_workers", 1, _int_in(1, MAX_WORKERS), "threads that (de)serialize a batch's chunks in parallel"),
     Option("device", "cpu", _device, "where the codec runs: cpu, gpu, tpu or auto, optionally :index"),
     # Accepted so that configs written for the reference plugin work unchanged.
     Option("use_qjl", False, _use_qjl, "reference-plugin option; only false is supported"),
