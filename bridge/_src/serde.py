@@ -58,6 +58,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
+import threading
 from typing import NamedTuple
 
 from tq_jax.bridge._src.device import DEVICE_CHOICES, resolve_device  # sets XLA_PYTHON_CLIENT_PREALLOCATE first
@@ -528,11 +529,13 @@ class TQJaxDeserializer(Deserializer):
             if on_host and not kv_order:
                 tq_jax.load_into(blob, dlpack.numpy_view(t), device=self.device)
                 continue
+            if on_host:  # decoded into this thread's scratch, then reordered into the chunk
+                y = _scratch(f.stored(kv_order), dlpack.numpy_dtype(t.dtype))
+                tq_jax.load_into(blob, y, device=self.device)
+                layouts.restore_into(y, f, kv_order, dlpack.numpy_view(t))
+                continue
             arr = tq_jax.loads(blob, dtype=dlpack.numpy_dtype(t.dtype), device=self.device)
-            if on_host:
-                layouts.restore_into(np.asarray(arr), f, kv_order, dlpack.numpy_view(t))
-            else:
-                dlpack.copy_into(t, layouts.from_stored(arr, f, kv_order))
+            dlpack.copy_into(t, layouts.from_stored(arr, f, kv_order))
 
     def _form_of(self, h: tq_jax.Header, dst_shape: tuple[int, ...], group: int):
         """``(form, kv_order)`` of a blob read into a destination group: which of the
@@ -547,6 +550,24 @@ class TQJaxDeserializer(Deserializer):
                 SHAPE_MISMATCH.format(group=group, blob_shape=list(h.shape), blob_dtype=h.dtype, bits=h.bits, dst_shape=list(dst_shape))
             )
         return f, kv_order
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(shape, dtype) -> np.ndarray:
+    """This thread's reusable 64-byte-aligned host buffer as a ``shape`` array of ``dtype``.
+
+    A value whose stored order is not the chunk's is decoded here and then reordered
+    into the chunk: reusing one buffer per thread (the size of the largest chunk it has
+    read, whose shape LMCache chose) spares every call a chunk-sized allocation and its
+    page faults, which concurrent workers would otherwise take on every hit."""
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.nbytes < nbytes:
+        raw = np.empty(nbytes + 64, np.uint8)
+        buf = _SCRATCH.buf = raw[-raw.ctypes.data % 64 :][:nbytes]
+    return buf[:nbytes].view(dtype).reshape(shape)
 
 
 def _check_paired(paired: str) -> str:
