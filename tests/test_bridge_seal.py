@@ -332,7 +332,11 @@ def test_lmcache_fails_a_whole_load_batch_on_one_refused_value(tmp_path):
     four-key prefetch miss, not only those two; nothing is served. Prefetched one key at a
     time, the two good chunks load. Pins LMCache's behaviour: a serde cannot refuse one
     value of a batch (AsyncSerdeProcessor reports one bool per task)."""
-    wrapper_log = logging.getLogger("lmcache.v1.distributed.l2_adapters.serde_wrapper")
+    # Imported before the handler is added: LMCache's init_logger clears a module's
+    # logger handlers when the module is first imported.
+    from lmcache.v1.distributed.l2_adapters import serde_wrapper
+
+    wrapper_log = logging.getLogger(serde_wrapper.__name__)
     lines: list[str] = []
 
     class Keep(logging.Handler):
