@@ -6,6 +6,7 @@ Modules:
     :mod:`~tq_jax.bridge._src.device`: the ``device`` option -> a JAX device.
     :mod:`~tq_jax.bridge._src.schema`: the serde option table (generated from ``tq_jax.Options``).
     :mod:`~tq_jax.bridge._src.seal`: AES-GCM under a key per tenant and value around the serde's values (``encrypt``).
+    :mod:`~tq_jax.bridge._src.processor`: LMCache's ``AsyncSerdeProcessor`` running a batch's chunks in parallel.
     :mod:`~tq_jax.bridge._src.registry`: builds the serde from a config, ``register``.
     :mod:`~tq_jax.bridge._src.reconnect`: the ``resp_reconnect`` L2 adapter (RESP that reconnects).
     :mod:`~tq_jax.bridge.launch`: ``python -m tq_jax.bridge.launch server ...``.
