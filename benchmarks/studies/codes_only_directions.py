@@ -39,6 +39,10 @@ per-vector codes-only cache attends over. Candidates change what is coded:
   prefix's own vectors as the candidate codes them): at high rate the scalar coder
   that spends a bit best, 1.53 dB from the rate-distortion bound where a fixed-rate
   Lloyd-Max codebook is 4.35 dB from it;
+* ``t`` after a side's bits (``K5tV3t``): trellis-coded quantisation at those fixed bits
+  (:func:`tcq_quantize`: an 8-state trellis over a doubled codebook, searched by Viterbi
+  per vector, decoded per coordinate in parallel): the same bytes as the Lloyd-Max
+  codes, with no entropy coder;
 * ``--loaded-prefix``: the loaded-prefix protocol instead (``quality --loaded-prefix``):
   the prefix is stored by the candidate and loaded into a bf16 cache, every later token
   exact, as vLLM continues after LMCache loads a prefix; ``--cand fp8`` adds float8 e4m3
@@ -57,6 +61,7 @@ sequence, and ``mu`` (16 bits per coordinate per sequence).
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import subprocess
 import time
@@ -117,6 +122,105 @@ def _uniform_roundtrip(x, entropy: float):
     return (yq @ _rotation(d).T) * norm / np.sqrt(d)
 
 
+# Trellis-coded quantisation (TCQ): fixed rate, every coordinate ``bits`` bits (a branch
+# bit and ``bits - 1`` bits of a level in one of four subsets of a doubled Lloyd-Max
+# codebook), the levels of a vector chosen jointly by a Viterbi search over an 8-state
+# trellis whose state is the last three branch bits. A decoder needs no search and no
+# sequence: coordinate t's subset follows from branch bits t-3..t, so every coordinate
+# decodes at once (:func:`tcq_decode`).
+TCQ_STATES = 8
+
+
+def _tcq_subset(state, branch):
+    """The subset (0..3) of a coordinate in ``state`` taking ``branch``: a state's two
+    branches use D0/D2 (even states) or D1/D3 (odd), as set partitioning wants."""
+    parity = ((state & 1) ^ ((state >> 2) & 1)) & 1
+    return (state & 1) + 2 * (branch ^ parity)
+
+
+TCQ_SCALES = tuple(round(1.0 - 0.05 * i, 2) for i in range(8))  # 1.00 .. 0.65
+
+
+@functools.lru_cache(maxsize=None)
+def tcq_levels(d: int, bits: int) -> jnp.ndarray:
+    """``[4, 2**(bits-1)]``: the doubled codebook split into four subsets by index mod 4.
+
+    The doubled codebook is ``lloyd_max(d, bits + 1)`` (for a unit vector's rotated
+    coordinates) scaled by the factor of :data:`TCQ_SCALES` that gives the least error on
+    2,048 Gaussian vectors (seed 0): the trellis reaches levels a scalar quantiser cannot
+    use, so its best codebook is narrower than Lloyd-Max's."""
+    from tq_jax._src import codebook
+
+    base = np.asarray(codebook.lloyd_max(d, bits + 1).centroids, np.float64)
+    y = np.random.default_rng(0).standard_normal((2048, d))
+    y = y / np.linalg.norm(y, axis=-1, keepdims=True)
+
+    def err(scale):
+        levels = jnp.asarray((base * scale).reshape(-1, 4).T, jnp.float32)
+        yj = jnp.asarray(y, jnp.float32)
+        return float(jnp.sum((tcq_decode(*tcq_quantize(yj, levels), levels) - yj) ** 2))
+
+    with jax.ensure_compile_time_eval():  # first called while a step is traced
+        best = min(TCQ_SCALES, key=err)
+        return jnp.asarray((base * best).reshape(-1, 4).T, jnp.float32)
+
+
+@jax.jit
+def tcq_quantize(y, levels):
+    """Viterbi over the trellis: ``y [N, d]`` -> ``(branch int32 [N, d], index int32 [N, d])``
+    minimising the squared error of :func:`tcq_decode`'s output; the path starts in state 0."""
+    n, d = y.shape
+    ns = jnp.arange(TCQ_STATES)
+    pred = jnp.stack([(ns >> 1) | (k << 2) for k in (0, 1)], axis=1)  # [S, 2]: states that lead to ns
+    sub = _tcq_subset(pred, (ns & 1)[:, None])  # [S, 2]: the subset of that step
+    bounds = (levels[:, 1:] + levels[:, :-1]) / 2  # [4, M-1]
+
+    def nearest(v):  # v [N] -> index, error [N, 4]
+        idx = jax.vmap(lambda b: jnp.searchsorted(b, v), out_axes=1)(bounds)
+        err = (v[:, None] - jnp.take_along_axis(levels.T[None], idx[:, None, :], axis=1)[:, 0]) ** 2
+        return idx, err
+
+    def step(cost, v):
+        idx, err = nearest(v)
+        total = cost[:, pred] + err[:, sub]  # [N, S, 2]
+        k = jnp.argmin(total, axis=2)
+        best = jnp.take_along_axis(total, k[..., None], axis=2)[..., 0]
+        chosen = jnp.take_along_axis(idx[:, sub], k[..., None], axis=2)[..., 0]  # level index per next state
+        return best, (k, chosen)
+
+    cost0 = jnp.full((n, TCQ_STATES), jnp.inf).at[:, 0].set(0.0)
+    cost, (back, chosen) = jax.lax.scan(step, cost0, y.T)  # [d, N, S]
+
+    def trace(state, t):
+        k, c = back[t][jnp.arange(n), state], chosen[t][jnp.arange(n), state]
+        return pred[state, k], (state & 1, c)
+
+    _, (branch, index) = jax.lax.scan(trace, jnp.argmin(cost, axis=1), jnp.arange(d - 1, -1, -1))
+    return branch[::-1].T.astype(jnp.int32), index[::-1].T.astype(jnp.int32)
+
+
+@jax.jit
+def tcq_decode(branch, index, levels):
+    """Every coordinate at once: its state is the previous three branch bits (0 before
+    the start), its subset :func:`_tcq_subset` of that state and its own branch bit."""
+    prev = [jnp.pad(branch, ((0, 0), (k, 0)))[:, : branch.shape[1]] for k in (1, 2, 3)]
+    state = (prev[0] << 0) | (prev[1] << 1) | (prev[2] << 2)
+    return levels[_tcq_subset(state, branch), index]
+
+
+def _tcq_roundtrip(x, bits: int):
+    """TCQ of the rotated unit vector at ``bits`` per coordinate, with norm correction:
+    the tq_jax pipeline with the per-coordinate codebook lookup replaced by the trellis."""
+    d = x.shape[-1]
+    flat = x.reshape(-1, d)
+    norm = jnp.linalg.norm(flat, axis=-1, keepdims=True)
+    y = (flat / jnp.where(norm == 0, 1, norm)) @ _rotation(d)
+    levels = tcq_levels(d, bits)
+    yq = tcq_decode(*tcq_quantize(y, levels), levels)
+    yq = yq / jnp.maximum(jnp.linalg.norm(yq, axis=-1, keepdims=True), 1e-12)
+    return ((yq @ _rotation(d).T) * norm).reshape(x.shape)
+
+
 def measured_entropy(x, entropy: float) -> float:
     """Bits per coordinate of the indices :func:`_uniform_roundtrip` gives ``x [..., d]``
     (their empirical entropy, what an entropy coder would spend)."""
@@ -172,13 +276,18 @@ def _sink_aware(x, m):
     return jnp.sum(r * r, -1, keepdims=True) < jnp.sum(x * x, -1, keepdims=True), r
 
 
-def _code(x, bits, mu, centre: str, pos):
+def _code(x, bits, mu, centre: str, pos, trellis: bool = False):
     """``x [B, T, H, d]`` as the candidate stores it: coded plainly, or centred
     (:func:`_mean_at`, :func:`_sink_aware`) with ``mu`` the means ``[B, H, d]`` or block
-    means ``[B, n_blocks, H, d]``; ``pos [T]``."""
+    means ``[B, n_blocks, H, d]``; ``pos [T]``; ``trellis``: by :func:`_tcq_roundtrip`."""
     if bits is None:
         return x
-    code = (lambda y: _uniform_roundtrip(y, bits)) if isinstance(bits, float) else (lambda y: _roundtrip(y, bits))
+    if trellis:
+        code = lambda y: _tcq_roundtrip(y, bits)  # noqa: E731
+    elif isinstance(bits, float):
+        code = lambda y: _uniform_roundtrip(y, bits)  # noqa: E731
+    else:
+        code = lambda y: _roundtrip(y, bits)  # noqa: E731
     if not centre:
         return code(x)
     m = _mean_at(mu, centre, pos)
@@ -187,7 +296,7 @@ def _code(x, bits, mu, centre: str, pos):
 
 
 BLOCK = 256  # tokens per block mean (an LMCache chunk)
-_CAND = re.compile(r"^K(?P<kb>\d(?:\.\d+)?|-)(?P<kc>[cC]?)V(?P<vb>\d(?:\.\d+)?|-)(?P<vc>[cC]?)"
+_CAND = re.compile(r"^K(?P<kb>\d(?:\.\d+)?|-)(?P<kt>t?)(?P<kc>[cC]?)V(?P<vb>\d(?:\.\d+)?|-)(?P<vt>t?)(?P<vc>[cC]?)"
                    r"(?:o(?P<o>\d+))?(?:x(?P<x>\d+))?$")
 
 
@@ -199,7 +308,9 @@ class Candidate:
     def __init__(self, label: str, means, exact_mask):
         m = _CAND.match(label)
         if not m:
-            raise ValueError(f"candidate {label!r}: expected K<bits|->[c]V<bits|->[c][o<n>], e.g. K5cV3")
+            raise ValueError(f"candidate {label!r}: expected K<bits|->[t][c|C]V<bits|->[t][c|C][o<n>][x<n>], e.g. K5cV3")
+        if (m["kt"] and "." in m["kb"]) or (m["vt"] and "." in m["vb"]):
+            raise ValueError(f"candidate {label!r}: a trellis (t) codes whole bits, not an entropy-coded rate")
         self.label = label
         kb, vb = m["kb"], m["vb"]
         number = lambda t: None if t == "-" else float(t) if "." in t else int(t)  # noqa: E731
@@ -207,7 +318,8 @@ class Candidate:
         self.kc, self.vc = m["kc"], m["vc"]
         self.outliers = int(m["o"] or 0)
         self.exact_layers = int(m["x"] or 0)
-        kbits, vbits, kc, vc = self.kbits, self.vbits, self.kc, self.vc
+        self.kt, self.vt = bool(m["kt"]), bool(m["vt"])
+        kbits, vbits, kc, vc, kt, vt = self.kbits, self.vbits, self.kc, self.vc, self.kt, self.vt
         use_exact = self.outliers > 0
         mu_k = means["C" if kc == "C" else "c"][0]
         mu_v = means["C" if vc == "C" else "c"][1]
@@ -215,8 +327,8 @@ class Candidate:
 
         def transform(layer, k, v, start):
             pos = start[0] + jnp.arange(k.shape[1])  # the windows run in lockstep: one start
-            kq = _code(k.astype(jnp.float32), kbits, mu_k[layer], kc, pos)
-            vq = _code(v.astype(jnp.float32), vbits, mu_v[layer], vc, pos)
+            kq = _code(k.astype(jnp.float32), kbits, mu_k[layer], kc, pos, kt)
+            vq = _code(v.astype(jnp.float32), vbits, mu_v[layer], vc, pos, vt)
             if exact_layers:
                 kq = jnp.where(layer < exact_layers, k.astype(jnp.float32), kq)
                 vq = jnp.where(layer < exact_layers, v.astype(jnp.float32), vq)
