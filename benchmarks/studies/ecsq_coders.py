@@ -366,6 +366,23 @@ def main(argv=None) -> None:
             tp = min(_timed(dec, enc_j), _timed(dec, enc_j))
             speed.append(f"| {side} | {entropy:.2f} | pages of {page} tokens, {words} words (rANS) | {n_pages * page:,} | "
                          f"{tp * 1e3:.2f} ms | {fixed_bits} | {tf * 1e3:.2f} ms | {tp / tf:.1f}x |")
+    # The fixed-rate alternative: trellis levels from unpacked branch bits and indices,
+    # beside the Lloyd-Max codebook gather from unpacked indices (both on [vectors, D]).
+    from benchmarks.studies import codes_only_directions as cod
+    from tq_jax._src import codebook
+
+    lookups = []
+    for bits in (5, 3):
+        levels = cod.tcq_levels(D, bits)
+        y = rng.standard_normal((args.vectors, D))
+        y = jnp.asarray(y / np.linalg.norm(y, axis=-1, keepdims=True), jnp.float32)
+        branch, index = cod.tcq_quantize(y, levels)
+        centroids = jnp.asarray(codebook.lloyd_max(D, bits).centroids)
+        idx = jnp.asarray(rng.integers(0, 1 << bits, (args.vectors, D)), jnp.int32)
+        gather = jax.jit(lambda i, c: jnp.take(c, i))
+        t_tcq = min(_timed(cod.tcq_decode, branch, index, levels), _timed(cod.tcq_decode, branch, index, levels))
+        t_lm = min(_timed(gather, idx, centroids), _timed(gather, idx, centroids))
+        lookups.append(f"| {bits} | {args.vectors:,} | {t_lm * 1e3:.2f} ms | {t_tcq * 1e3:.2f} ms | {t_tcq / t_lm:.1f}x |")
     device = jax.devices()[0]
     lines = [
         "# Entropy-coded codes in fixed-size rows: the budget and the decoder",
@@ -410,6 +427,16 @@ def main(argv=None) -> None:
         "| side | design | layout | vectors | decode (indices) | fixed bits | tq_jax decode (whole) | ratio |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
         *speed,
+        "",
+        "A fixed-rate alternative needs no entropy decoder: trellis-coded quantisation "
+        "(`codes_only_directions.tcq_quantize`, 8 states) stores a branch bit and `bits - 1` index bits "
+        "per coordinate, and a coordinate's level follows from its own and the three previous branch "
+        "bits. Its level lookup from unpacked fields, beside the Lloyd-Max codebook gather from "
+        "unpacked indices (the rest of a decode is the same):",
+        "",
+        "| bits | vectors | Lloyd-Max gather | trellis levels | ratio |",
+        "|---:|---:|---:|---:|---:|",
+        *lookups,
     ]
     text = "\n".join(lines) + "\n"
     if args.out:
