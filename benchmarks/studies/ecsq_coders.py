@@ -385,7 +385,7 @@ def main(argv=None) -> None:
         lookups.append(f"| {bits} | {args.vectors:,} | {t_lm * 1e3:.2f} ms | {t_tcq * 1e3:.2f} ms | {t_tcq / t_lm:.1f}x |")
     device = jax.devices()[0]
     lines = [
-        "# Entropy-coded codes in fixed-size rows: the budget and the decoder",
+        "# Entropy-coded codes in fixed-size rows and pages: the budget and the decoder",
         "",
         f"`python -m benchmarks.studies.ecsq_coders {' '.join(argv if argv is not None else sys.argv[1:])}` at "
         f"`{_commit()}`; {time.perf_counter() - t0:.0f} s; jax {jax.__version__} on {device.platform} "
