@@ -36,7 +36,6 @@ import argparse
 import heapq
 import itertools
 import statistics
-import subprocess
 import sys
 import time
 from math import erf, sqrt
@@ -45,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.studies.codes_only_directions import _rotation, gaussian_step
+from benchmarks.studies.codes_only_directions import _commit, _rotation, gaussian_step
 
 D = 64  # SmolLM2's head_dim
 
@@ -293,11 +292,6 @@ def _timed(fn, *args, reps: int = 15) -> float:
         jax.block_until_ready(fn(*args))
         ts.append(time.perf_counter() - t)
     return statistics.median(ts)
-
-
-def _commit() -> str:
-    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return r.stdout.strip() or "?"
 
 
 def main(argv=None) -> None:

@@ -16,8 +16,8 @@ whole batch; the L2 wrapper reports every key of a failed batch as missed). Each
 completion signals the parent's event fd, so LMCache's poll loop wakes once per object
 and finds the batch pending until the last one.
 
-A batch of one object, an empty batch, and lists of different lengths go to the parent
-as they are (one task: the empty batch succeeds, the mismatched one fails, as LMCache's
+With one worker, a batch of one object, an empty batch, and lists of different lengths
+go to the parent as they are (one task: the empty batch succeeds, the mismatched one fails, as LMCache's
 ``zip(strict=True)`` makes them).
 """
 
@@ -45,6 +45,7 @@ class ParallelSerdeProcessor(AsyncSerdeProcessor):
 
     def __init__(self, serializer, deserializer, max_workers: int = 1) -> None:
         super().__init__(serializer, deserializer, max_workers=max_workers)
+        self._split = max_workers > 1  # one worker runs a batch's parts in order anyway
         self._batch_lock = threading.Lock()
         self._next_batch = 0
         self._batches: dict[str, dict[int, _Batch]] = {"serialize": {}, "deserialize": {}}
@@ -65,14 +66,14 @@ class ParallelSerdeProcessor(AsyncSerdeProcessor):
 
     def _submit(self, kind: str, submit, src_objs, dst_objs, keys) -> int:
         src_objs, dst_objs, keys = list(src_objs), list(dst_objs), list(keys)
-        with self._batch_lock:  # the id is registered before any part can complete
+        with self._batch_lock:  # a query of this id waits until its parts are registered
             task_id = self._next_batch
             self._next_batch += 1
-            batch = self._batches[kind][task_id] = _Batch([])
-            if len(src_objs) > 1 and len(src_objs) == len(dst_objs) == len(keys):
-                batch.parts = [submit([s], [d], [k]) for s, d, k in zip(src_objs, dst_objs, keys)]
+            if self._split and len(src_objs) > 1 and len(src_objs) == len(dst_objs) == len(keys):
+                parts = [submit([s], [d], [k]) for s, d, k in zip(src_objs, dst_objs, keys)]
             else:
-                batch.parts = [submit(src_objs, dst_objs, keys)]
+                parts = [submit(src_objs, dst_objs, keys)]
+            self._batches[kind][task_id] = _Batch(parts)
         return task_id
 
     def _query(self, kind: str, query, task_id: int) -> bool | None:

@@ -71,6 +71,7 @@ from lmcache.v1.distributed.serde.base import Deserializer, Serializer  # noqa: 
 from lmcache.v1.memory_management import MemoryObj  # noqa: E402
 
 import tq_jax  # noqa: E402
+from tq_jax._src import blocks as _blocks  # noqa: E402
 from tq_jax._src import frames as _frames  # noqa: E402
 from tq_jax._src import wire as _wire  # noqa: E402
 from tq_jax.bridge._src import dlpack  # noqa: E402
@@ -565,8 +566,7 @@ def _scratch(shape, dtype) -> np.ndarray:
     nbytes = math.prod(shape) * np.dtype(dtype).itemsize
     buf = getattr(_SCRATCH, "buf", None)
     if buf is None or buf.nbytes < nbytes:
-        raw = np.empty(nbytes + 64, np.uint8)
-        buf = _SCRATCH.buf = raw[-raw.ctypes.data % 64 :][:nbytes]
+        buf = _SCRATCH.buf = _blocks.aligned_empty((nbytes,), np.uint8)
     return buf[:nbytes].view(dtype).reshape(shape)
 
 
