@@ -217,7 +217,7 @@ def test_v1_settings_keep_the_chunks_own_order_when_its_rows_are_tokens():
     assert blob == tq_jax.dumps(kv, bits=4)
 
 
-@pytest.mark.parametrize("preset", ["turbo-4", "turbo-3.5", "turbo-2.5"])
+@pytest.mark.parametrize("preset", ["turbo-4", "turbo-4t", "turbo-3.5", "turbo-2.5"])
 @pytest.mark.parametrize("engine", ["fused", "vllm-cpu"])
 def test_presets_on_single_plane_chunks_round_trip_with_exact_sizes(engine, preset):
     chunk, k, v = ENGINES[engine]()

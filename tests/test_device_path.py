@@ -34,6 +34,7 @@ CASES = sweep(
         ((2, 4, 37, 3, 64), "bfloat16", dict(bits=4), 64),  # v1, Haar, planar rows
         ((2, 4, 37, 3, 64), "bfloat16", dict(preset="turbo-3.5"), 64),  # v2: groups, nc, norm codes, CRC
         ((5, 7, 36), "float32", dict(bits=3, norm_dtype="float32"), 8),  # natural order (36*3 % 8 != 0), f32 norms
+        ((2, 3, 21, 2, 64), "bfloat16", dict(preset="turbo-4t"), 32),  # trellis codes
         # slow from here (the raw-layer case alone compiles ~10 s of programs on CPU)
         ((2, 6, 30, 2, 96), "float16", dict(key_bits=4, value_bits=3, skip_first_layers=1, skip_last_layers=1,
                                             checksum=True, norm_bits=6, rotation="hadamard",
@@ -42,7 +43,7 @@ CASES = sweep(
         ((2, 4, 37, 3, 64), "bfloat16", dict(preset="turbo-2.5"), None),
         ((3, 16, 128), "float32", dict(bits=8, seed=7), 16),  # grid quantizer
     ],
-    fast=3,
+    fast=4,
 )
 
 

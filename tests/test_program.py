@@ -32,6 +32,7 @@ MATRIX = sweep(
     [
         ((2, 4, 37, 3, 64), "bfloat16", dict(bits=4), 64),  # v1, planar rows, 7 blocks + a tail
         ((2, 4, 37, 3, 64), "bfloat16", dict(preset="turbo-3.5"), 64),  # K!=V, Hadamard, nc, log norms, CRC
+        ((2, 3, 21, 2, 64), "bfloat16", dict(preset="turbo-4t"), 32),  # trellis codes (natural order)
         # slow from here (raw edge layers through the program's encoder run quick in
         # test_a_change_of_options_reaches_both_executors_through_the_plan)
         ((2, 6, 30, 2, 96), "float16", dict(key_bits=4, value_bits=3, skip_first_layers=1, skip_last_layers=2,
@@ -48,7 +49,7 @@ MATRIX = sweep(
         ((2, 3, 0, 2, 64), "bfloat16", dict(key_bits=4, value_bits=2), None),  # 0 tokens, KV layout
         ((2, 4, 0, 64), "float16", dict(bits=3, skip_first_layers=1, checksum=True), None),  # 0 tokens, raw layers
     ],
-    fast=2,
+    fast=3,
 )
 
 

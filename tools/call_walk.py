@@ -19,7 +19,7 @@ import sys
 
 # Layers (docs/architecture.md); the modules beside the layers sit with the layer they serve.
 LAYER = {
-    "tq_jax._src.codebook": 1, "tq_jax._src.rotation": 2, "tq_jax._src.packing": 3, "tq_jax._src._kernels": 3.5, "tq_jax._src.norms": 3.5,
+    "tq_jax._src.codebook": 1, "tq_jax._src.rotation": 2, "tq_jax._src.packing": 3, "tq_jax._src._kernels": 3.5, "tq_jax._src.norms": 3.5, "tq_jax._src.trellis": 3.5,
     "tq_jax._src.codec": 4, "tq_jax._src.frames": 5, "tq_jax._src.wire": 5, "tq_jax._src.options": 5.5,
     "tq_jax._src.blocks": 6, "tq_jax._src.plan": 6, "tq_jax._src.program": 6, "tq_jax._src.resident": 6, "tq_jax._src._lru": 6,
     "tq_jax._src.blob": 7, "tq_jax": 8,

@@ -163,7 +163,7 @@ LOADED_PROTOCOL = (
 
 
 def quality_markdown(rows, *, seqs: int, prefix: int, scored: int, chunk: int, float32_ppl: float | None = None,
-                     loaded: bool = False) -> list[str]:
+                     loaded: bool = False, topic: str = _quality.TEXT_TOPIC) -> list[str]:
     """The in-loop report's protocol paragraph and table (lines), from ``summarize``'s rows."""
     protocol = (
         "one token per step after the prefix (the strict protocol)"
@@ -171,7 +171,7 @@ def quality_markdown(rows, *, seqs: int, prefix: int, scored: int, chunk: int, f
         else f"{chunk} tokens per step after the prefix (a quick look, NOT the strict protocol)"
     )
     lines = [
-        f"Text: `pydoc_data.topics.topics[\"{_quality.TEXT_TOPIC}\"]` (Python {platform.python_version()}), "
+        f"Text: `pydoc_data.topics.topics[\"{topic}\"]` (Python {platform.python_version()}), "
         f"{seqs} consecutive windows of {prefix + scored} tokens run as one batch. Each window's first "
         f"{prefix} tokens are prefilled through the cache in one step, then {protocol}; every K/V read goes "
         f"through the cache; {scored} tokens per window, {seqs * scored} in all, are scored. The "
@@ -199,7 +199,7 @@ def cmd_quality(args, argv) -> int:
     t_all, load_avg = time.perf_counter(), os.getloadavg()[0]
     params, cfg, tok = load_smollm2()
     specs = expand_specs(args.cache, window=args.window, sinks=args.sinks, windows=args.windows, seeds=args.rotation_seeds)
-    ids = _quality.text_tokens(tok)
+    ids = _quality.text_tokens(tok, args.topic)
     windows = _quality.text_windows(ids, args.seqs, args.prefix + args.scored)
     _log(f"{len(specs)} caches, {args.seqs} windows x ({args.prefix} prefix + {args.scored} scored), chunk {args.chunk}")
     ref = _quality.reference_ppl(params, cfg, windows, args.prefix) if args.float32 else None
@@ -211,7 +211,7 @@ def cmd_quality(args, argv) -> int:
              else "SmolLM2-135M in the loop: ΔPPL and KL against the bf16 cache")
     lines = _header(title, argv, time.perf_counter() - t_all, load_avg)
     lines += quality_markdown(rows, seqs=args.seqs, prefix=args.prefix, scored=args.scored, chunk=args.chunk, float32_ppl=ref,
-                              loaded=args.loaded_prefix)
+                              loaded=args.loaded_prefix, topic=args.topic)
     _write(args.out, "\n".join(lines) + "\n")
     return 0
 
@@ -447,6 +447,8 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--float32", action="store_true", help="add a float32 no-cache perplexity row (a forward pass per window)")
     q.add_argument("--loaded-prefix", action="store_true", help="the loaded-prefix protocol: the prefix is served from a store "
                    "(codes only for tq:..., or fp8) as LMCache loads it, every later token is exact bf16")
+    q.add_argument("--topic", default=_quality.TEXT_TOPIC, help="the text: a key of pydoc_data.topics.topics (default "
+                   "%(default)s; the held-out checks use debugger, a text no setting was chosen on)")
     q.set_defaults(func=cmd_quality)
 
     p = sub.add_parser("passkey", help="passkey retrieval accuracy per (context, depth)")

@@ -25,6 +25,7 @@ from tq_jax._src import _lru
 from tq_jax._src import codebook as _codebook
 from tq_jax._src import packing as _packing
 from tq_jax._src import rotation as _rotation
+from tq_jax._src import trellis as _trellis
 
 if TYPE_CHECKING:  # annotations only; jaxtyping is not a runtime dependency
     from jaxtyping import Array, Float32
@@ -50,6 +51,9 @@ class Tables(NamedTuple):
     # ``rotate`` yields coordinates ready to pack; None for Hadamard (its output is
     # regrouped in the kernel) or when rows are not byte-aligned (dim*bits % 8 != 0).
     planar_dense: np.ndarray | None
+    # Trellis coding (TQ01 v2 TRELLIS): (levels float32 [4, 2**(bits-1)], decode table
+    # float32 [8 * 2**bits]) of tq_jax._src.trellis; None for the scalar codebook.
+    trellis: tuple | None = None
 
 NORM_EPS = 1e-10  # the reference's guard in u = x / (n + eps)
 _HADAMARD_FACTOR = 16  # the Hadamard part is applied as Kronecker factors of order <= 16
@@ -459,10 +463,28 @@ def decode_indices(indices, norms, rotation: RotationOp, centroids, dtype, qjl=N
         corr = jnp.matmul(sketch.astype(jnp.float32), matrix, precision=_HI)
         scale = residual_norms.astype(jnp.float32) * np.float32(math.sqrt(math.pi / (2 * m)))
         y_hat = y_hat + corr * scale[..., None]
+    return _unit_levels_to_vectors(y_hat, norms, rotation, dtype, norm_correction)
+
+
+def _unit_levels_to_vectors(y_hat, norms, rotation: RotationOp, dtype, norm_correction: bool):
+    """The decode's tail: (norm correction), inverse rotation, scale by the norms, cast."""
     if norm_correction:
         y_hat = y_hat * jax.lax.rsqrt(sum_squares(y_hat))[..., None]
     x_hat = unrotate(y_hat, rotation)
     return cast(x_hat * norms.astype(jnp.float32)[..., None], dtype)
+
+
+def encode_trellis(x, tabs: Tables):
+    """Trellis codes uint8 ``(..., d)`` (natural order) and float32 norms ``(...)`` of ``x``:
+    the rotated unit vectors searched by :func:`tq_jax._src.trellis.quantize`."""
+    y, norms = _norms_and_rotate(x, tabs.rotation)
+    return _trellis.quantize(y, tabs.trellis[0]), norms
+
+
+def decode_trellis(codes, norms, tabs: Tables, bits: int, dtype, norm_correction=False):
+    """Inverse of :func:`encode_trellis`: ``(..., d)`` vectors of ``dtype``."""
+    y_hat = _trellis.lookup(codes, tabs.trellis[1], bits)
+    return _unit_levels_to_vectors(y_hat, norms, tabs.rotation, dtype, norm_correction)
 
 
 def encode_rows(x, tabs: Tables, bits: int):
@@ -472,6 +494,9 @@ def encode_rows(x, tabs: Tables, bits: int):
     emits them as planes (``packing.plane_order``) that pack with no interleaving.
     """
     d = x.shape[-1]
+    if tabs.trellis is not None:
+        codes, norms = encode_trellis(x, tabs)
+        return _packing.pack(codes, bits), norms
     if grouped(d, tabs.rotation):
         packed, norms = encode_groups(x, tabs, bits)
         return packed.reshape(*x.shape[:-1], d * bits // 8), norms
@@ -495,14 +520,14 @@ def decode_rows(packed, norms, tabs: Tables, bits: int, dtype, norm_correction=F
     interleave, no row-permuted copy of the matrix.
     """
     d = dim_of(tabs.rotation)
+    if tabs.trellis is not None:
+        return decode_trellis(_packing.unpack(packed, bits, d), norms, tabs, bits, dtype, norm_correction)
     if not planar(d, bits):
         idx = _packing.unpack(packed, bits, d)
         return decode_indices(idx, norms, tabs.rotation, tabs.centroids, dtype, norm_correction=norm_correction)
     idx = _packing.unpack_groups(packed, bits, d).astype(jnp.int32)
     c = jnp.take(tabs.centroids, idx, mode="clip").reshape(*packed.shape[:-1], d)
-    if norm_correction:
-        c = c * jax.lax.rsqrt(sum_squares(c))[..., None]
-    return cast(unrotate(c, tabs.rotation) * norms.astype(jnp.float32)[..., None], dtype)
+    return _unit_levels_to_vectors(c, norms, tabs.rotation, dtype, norm_correction)
 
 
 @functools.partial(jax.jit, static_argnames="bits")
@@ -525,10 +550,13 @@ def dim_of(rotation: RotationOp) -> int:
 # B * d * bits bits (rows are not byte-padded when d * bits % 8 != 0).
 
 
-def layout(dim: int, bits: int, rotation: str) -> str:
-    """Which kernel family a ``(dim, bits, rotation)`` codec runs: ``"groups"`` (the
-    Hadamard group kernels), ``"planar"`` (byte-aligned rows, index planes) or
-    ``"natural"`` (rows that are not byte-aligned: one bit stream over the block)."""
+def layout(dim: int, bits: int, rotation: str, trellis: bool = False) -> str:
+    """Which kernel family a ``(dim, bits, rotation)`` codec runs: ``"trellis"`` (trellis
+    codes, natural order: one bit stream over the block), ``"groups"`` (the Hadamard
+    group kernels), ``"planar"`` (byte-aligned rows, index planes) or ``"natural"`` (rows
+    that are not byte-aligned: one bit stream over the block)."""
+    if trellis:
+        return "trellis"
     if rotation != "haar" and dim % _HADAMARD_FACTOR == 0 and dim // _HADAMARD_FACTOR <= _OUTER_SUM_MAX:
         return "groups"
     return "planar" if planar(dim, bits) else "natural"
@@ -545,6 +573,9 @@ def encode_stream(x, tabs: Tables, bits: int):
     vectorize (the rule :func:`decode_groups` follows too).
     """
     dim = x.shape[-1]
+    if tabs.trellis is not None:
+        codes, norms = encode_trellis(x, tabs)
+        return _packing.pack(codes.reshape(-1), bits), norms
     if grouped(dim, tabs.rotation):
         return encode_groups(x, tabs, bits)
     if planar(dim, bits):  # byte-aligned rows: the stream is the rows
@@ -559,6 +590,9 @@ def decode_stream(stream, norms, tabs: Tables, bits: int, dtype, norm_correction
     whose index stream is ``stream`` (uint8, exactly ``B*d*bits/8`` bytes, B a multiple
     of 8), as an array of ``dtype`` whose C-order flattening is ``(B, d)``."""
     n_vec, dim = norms.shape[0], dim_of(tabs.rotation)
+    if tabs.trellis is not None:
+        codes = _packing.unpack(stream, bits, n_vec * dim).reshape(n_vec, dim)
+        return decode_trellis(codes, norms, tabs, bits, dtype, norm_correction)
     if grouped(dim, tabs.rotation):  # (B, d/16, 16) out: the caller's reshape is free
         rows = stream.reshape(n_vec, dim * bits // 8)
         return decode_groups(rows, norms, tabs, bits, dtype, norm_correction)

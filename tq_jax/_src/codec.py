@@ -49,6 +49,7 @@ from tq_jax._src import _kernels, _lru
 from tq_jax._src import codebook as _codebook
 from tq_jax._src import packing as _packing
 from tq_jax._src import rotation as _rotation
+from tq_jax._src import trellis as _trellis
 
 # The rotation as arrays and the two rotation kernels are part of codec's public API.
 from tq_jax._src._kernels import RotationOp, rotate, unrotate
@@ -87,6 +88,8 @@ class CodecConfig:
             (the structured randomized Hadamard rotation, O(d log d); TQ01 v2).
         norm_correction: rescale the decoded centroid vector to unit length before the
             inverse rotation (vLLM's "nc"; TQ01 v2).
+        trellis: code the rotated coordinates as one trellis path per vector
+            (:mod:`tq_jax._src.trellis`; bits 2..7, same bytes; TQ01 v2).
     """
 
     dim: int
@@ -94,6 +97,7 @@ class CodecConfig:
     seed: int = 42
     rotation: str = "haar"
     norm_correction: bool = False
+    trellis: bool = False
 
     def __post_init__(self):
         if not isinstance(self.dim, (int, np.integer)) or isinstance(self.dim, bool) or self.dim < 2:
@@ -117,6 +121,14 @@ class CodecConfig:
         if not isinstance(self.norm_correction, (bool, np.bool_)):
             raise ValueError(f"`norm_correction` must be a bool, got {self.norm_correction!r}.")
         object.__setattr__(self, "norm_correction", bool(self.norm_correction))
+        if not isinstance(self.trellis, (bool, np.bool_)):
+            raise ValueError(f"`trellis` must be a bool, got {self.trellis!r}.")
+        object.__setattr__(self, "trellis", bool(self.trellis))
+        if self.trellis and self.bits not in _trellis.BITS:
+            raise ValueError(
+                f"trellis coding takes bits in {_trellis.BITS.start}..{_trellis.BITS.stop - 1}, got bits="
+                f"{self.bits}: its doubled codebook has bits + 1 bits, and codebooks stop at 8."
+            )
         object.__setattr__(self, "dim", int(self.dim))
         object.__setattr__(self, "bits", int(self.bits))
         object.__setattr__(self, "seed", int(self.seed))
@@ -148,7 +160,7 @@ _TABLE_CACHE_BYTES = 128 << 20  # a Haar table at MAX_DENSE_DIM holds two dense 
 _TABLES = _lru.LRU("codec tables", _TABLE_CACHE_SIZE, _TABLE_CACHE_BYTES)
 
 
-def _build_tables(dim: int, bits: int, seed: int, rotation: str) -> _kernels.Tables:
+def _build_tables(dim: int, bits: int, seed: int, rotation: str, trellis: bool) -> _kernels.Tables:
     cb, grid = _kernels.quantizer(dim, bits)
     planar_dense = None
     if rotation == "haar":
@@ -159,16 +171,18 @@ def _build_tables(dim: int, bits: int, seed: int, rotation: str) -> _kernels.Tab
     else:
         st = _rotation.structured_rotation(dim, seed)
         op = RotationOp(signs=st.signs, odd=st.odd)
-    return _kernels.Tables(op, cb.centroids, cb.boundaries, grid, planar_dense)
+    tcq = (_trellis.levels(dim, bits), _trellis.decode_table(dim, bits)) if trellis else None
+    return _kernels.Tables(op, cb.centroids, cb.boundaries, grid, planar_dense, tcq)
 
 
-def _tables(dim: int, bits: int, seed: int, rotation: str) -> _kernels.Tables:
-    return _TABLES.get_or_create((dim, bits, seed, rotation), lambda: _build_tables(dim, bits, seed, rotation))
+def _tables(dim: int, bits: int, seed: int, rotation: str, trellis: bool) -> _kernels.Tables:
+    key = (dim, bits, seed, rotation, trellis)
+    return _TABLES.get_or_create(key, lambda: _build_tables(*key))
 
 
 def tables(config: CodecConfig) -> _kernels.Tables:
-    """The rotation and codebook arrays of ``config`` (cached, read-only numpy)."""
-    return _tables(config.dim, config.bits, config.seed, config.rotation)
+    """The rotation and codebook (or trellis) arrays of ``config`` (cached, read-only numpy)."""
+    return _tables(config.dim, config.bits, config.seed, config.rotation, config.trellis)
 
 
 # One device copy per (dim, bits, seed, rotation, device).
@@ -184,7 +198,8 @@ _device_rotations = _lru.LRU("codec device rotations", _DEVICE_CACHE_SIZE, _TABL
 def _to_arrays(t: _kernels.Tables, put, rot: RotationOp) -> _kernels.Tables:
     grid = None if t.grid is None else tuple(put(np.asarray(a)) for a in t.grid)
     planar = None if t.planar_dense is None else put(t.planar_dense)
-    return _kernels.Tables(rot, put(t.centroids), put(t.boundaries), grid, planar)
+    tcq = None if t.trellis is None else tuple(put(a) for a in t.trellis)
+    return _kernels.Tables(rot, put(t.centroids), put(t.boundaries), grid, planar, tcq)
 
 
 def device_tables(config: CodecConfig, device=None) -> _kernels.Tables:
@@ -196,7 +211,7 @@ def device_tables(config: CodecConfig, device=None) -> _kernels.Tables:
     Storing a tracer here would break every later trace and eager call with
     ``UnexpectedTracerError``.
     """
-    key = (config.dim, config.bits, config.seed, config.rotation, device)
+    key = (config.dim, config.bits, config.seed, config.rotation, config.trellis, device)
     hit = _device_cache.get(key)
     if hit is not None:
         return hit
@@ -245,9 +260,9 @@ def clear_caches() -> None:
 
 def layout(config: CodecConfig) -> str:
     """The kernel family ``config``'s blocks run (:func:`encode_block`,
-    :func:`decode_block`): ``"groups"`` (Hadamard rotation of up to 8 groups of 16),
-    ``"planar"`` (byte-aligned rows) or ``"natural"`` (other rows)."""
-    return _kernels.layout(config.dim, config.bits, config.rotation)
+    :func:`decode_block`): ``"trellis"`` (trellis codes), ``"groups"`` (Hadamard rotation
+    of up to 8 groups of 16), ``"planar"`` (byte-aligned rows) or ``"natural"`` (other rows)."""
+    return _kernels.layout(config.dim, config.bits, config.rotation, config.trellis)
 
 
 def stream_nbytes(config: CodecConfig, n_vectors: int) -> int:
@@ -314,7 +329,7 @@ def _block_encoder(config: CodecConfig, device):
     run-time arguments. Padding rows are cut off by the caller: masking them here
     would defeat the fusion of quantizer and packer.
     """
-    key = (config.dim, config.bits, config.seed, config.rotation, device)
+    key = (config.dim, config.bits, config.seed, config.rotation, config.trellis, device)
     kernel = _encoders.get(key)
     if kernel is not None:
         return kernel
@@ -335,7 +350,7 @@ def encode_block(x, config: CodecConfig, device=None):
     """Dispatch the encode of one block ``x`` (B, dim) on ``device`` (None: JAX's
     default); returns :func:`encode_stream`'s ``(stream, norms)`` as device arrays
     without waiting for them. One compiled program per block shape."""
-    key = (config.dim, config.bits, config.seed, config.rotation, device, x.shape, str(x.dtype))
+    key = (config.dim, config.bits, config.seed, config.rotation, config.trellis, device, x.shape, str(x.dtype))
     if key not in _programs:
         _note_program(key)
     return _block_encoder(config, device)(x)
@@ -349,7 +364,8 @@ def decode_block(stream, norms, config: CodecConfig, dtype, device=None, qjl=Non
     """
     tabs = device_tables(config, device)
     dtype = jnp.dtype(dtype)
-    key = (config.dim, config.bits, config.rotation, config.norm_correction, device, dtype, jnp.shape(stream), qjl is None)
+    key = (config.dim, config.bits, config.rotation, config.norm_correction, config.trellis, device, dtype,
+           jnp.shape(stream), qjl is None)
     if key not in _programs:
         _note_program(key)
     if qjl is not None:

@@ -159,6 +159,9 @@ class Options:
         norm_bits: 0 (norms stored as ``norm_dtype`` floats) or 2..8: each vector's norm
             becomes a ``norm_bits``-bit code on a log-uniform grid per (K/V, layer) (v2),
             ``norm_bits`` bits per vector instead of 16 or 32.
+        trellis: code each vector's rotated coordinates as one path of an 8-state
+            trellis (v2; key_bits and value_bits 2..7): the same bytes, less error, a
+            slower encoder (a Viterbi search per vector). See docs/TQ01-v2.md.
     """
 
     key_bits: int = dataclasses.field(metadata=field_metadata(
@@ -187,6 +190,8 @@ class Options:
     norm_bits: int = dataclasses.field(default=0, metadata=field_metadata(
         "0: norms stored as floats; 2..8: each norm a code of that many bits on a log-uniform grid "
         "per (K/V, layer)", 2, values=_wire.NORM_BITS, off=0, why=_NORM_BITS_WHY))
+    trellis: bool = dataclasses.field(default=False, metadata=field_metadata(
+        "trellis-coded indices: the same bytes, less error, a slower encoder (bits 2..7)", 2))
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -195,6 +200,13 @@ class Options:
             raise ValueError(
                 "`norm_bits` and norm_dtype='float32' both say how to store norms: log codes (norm_bits 2..8) "
                 "or floats (norm_bits=0 with norm_dtype). Drop one of them."
+            )
+        if self.trellis and not {self.key_bits, self.value_bits} <= set(_wire.TRELLIS_BITS):
+            lo, hi = _wire.TRELLIS_BITS.start, _wire.TRELLIS_BITS.stop - 1
+            raise ValueError(
+                f"trellis=True takes key_bits and value_bits in {lo}..{hi}, got key_bits={self.key_bits}, "
+                f"value_bits={self.value_bits}: a trellis codes over a codebook of bits + 1 bits, and "
+                f"codebooks stop at 8. Lower the bits, or set trellis=False."
             )
 
     @classmethod
@@ -221,6 +233,7 @@ class Options:
             and not self.norm_correction
             and not self.checksum
             and not self.norm_bits
+            and not self.trellis
         )
 
     def layout(self, shape, dtype, *, norm_dtype: str | None = None) -> _wire.Layout:
@@ -265,6 +278,7 @@ class Options:
             norm_correction=self.norm_correction,
             checksum=self.checksum,
             norm_bits=self.norm_bits,
+            trellis=self.trellis,
         ))
 
     def header(self, shape, dtype, *, norm_dtype: str | None = None) -> _wire.Header:
@@ -288,7 +302,7 @@ class Options:
         if group not in (0, 1):
             raise ValueError(f"`group` must be 0 (keys, key_bits) or 1 (values, value_bits), got {group!r}.")
         bits = self.key_bits if group == 0 else self.value_bits
-        return _codec.CodecConfig(dim, bits, self.seed, self.rotation, self.norm_correction)
+        return _codec.CodecConfig(dim, bits, self.seed, self.rotation, self.norm_correction, self.trellis)
 
     def replace(self, **changes) -> "Options":
         return dataclasses.replace(self, **changes)
@@ -323,6 +337,10 @@ PRESETS = {
     # bytes (tests/test_kvcache_window.py).
     "turbo-4": dict(key_bits=5, value_bits=3, rotation="hadamard", norm_correction=True,
                     norm_bits=6, checksum=True),
+    # turbo-4's bytes with trellis-coded indices (TQ01 v2 TRELLIS): less error where every
+    # token is a code (a prefix loaded from L2, a long context), a slower encoder.
+    "turbo-4t": dict(key_bits=5, value_bits=3, rotation="hadamard", norm_correction=True,
+                     norm_bits=6, checksum=True, trellis=True),
 }
 
 

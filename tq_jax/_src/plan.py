@@ -205,10 +205,10 @@ class Plan:
         return out
 
 
-def _config(dim: int, bits: int, seed: int, rotation: str, norm_correction: bool):
+def _config(dim: int, bits: int, seed: int, rotation: str, norm_correction: bool, trellis: bool):
     from tq_jax._src import codec as _codec  # jax: imported when a plan is built
 
-    return _codec.CodecConfig(dim, bits, seed, rotation, norm_correction)
+    return _codec.CodecConfig(dim, bits, seed, rotation, norm_correction, trellis)
 
 
 def for_tensor(shape, dtype, options) -> Plan:
@@ -245,4 +245,4 @@ def for_parsed(parsed: _wire.Parsed) -> Plan:
 
 def _read_configs(header: _wire.Header) -> list:
     dim = header.shape[-1]
-    return [_config(dim, bits, header.seed, header.rotation, header.norm_correction) for _, bits, *_ in header.segments()]
+    return [_config(dim, bits, header.seed, header.rotation, header.norm_correction, header.trellis) for _, bits, *_ in header.segments()]

@@ -81,6 +81,7 @@ __all__ = [
     "VERSION_2",
     "NormCodes",
     "NORM_BITS",
+    "TRELLIS_BITS",
     "DTYPES",
     "ITEMSIZE",
     "NORM_DTYPES",
@@ -121,8 +122,10 @@ FLAG_NORM_CORRECTION = 0x02  # decoders rescale centroid vectors to unit length
 FLAG_NORMS_F32 = 0x04  # norms are float32 (else float16)
 FLAG_KV = 0x08  # axis 0 holds groups (K, V) and axis 1 layers: per-group bits, raw layers
 FLAG_NORM_CODES = 0x10  # a u8 norm_bits follows the fixed prefix; norms are log-uniform codes
-_FLAGS_KNOWN = FLAG_CHECKSUM | FLAG_NORM_CORRECTION | FLAG_NORMS_F32 | FLAG_KV | FLAG_NORM_CODES
+FLAG_TRELLIS = 0x20  # indices are trellis codes (tq_jax._src.trellis), bits in TRELLIS_BITS
+_FLAGS_KNOWN = FLAG_CHECKSUM | FLAG_NORM_CORRECTION | FLAG_NORMS_F32 | FLAG_KV | FLAG_NORM_CODES | FLAG_TRELLIS
 NORM_BITS = range(2, 9)  # widths of log-coded norms
+TRELLIS_BITS = range(2, 8)  # widths of trellis codes (tq_jax._src.trellis.BITS): the doubled codebook has bits + 1
 # A log-coded norm group's range (lo, hi) is float32 ln(norm): exp(hi) must stay finite.
 MAX_LOG_NORM = 88.0
 ROTATION_CODES = {"haar": 0, "hadamard": 1}  # the v2 header's rotation byte (a format fact)
@@ -242,6 +245,7 @@ class Header(NamedTuple):
         checksum: a CRC32 trailer covers the blob.
         norm_bits: v2: 0 (norms are floats of ``norm_dtype``) or 2..8: each norm is a
             code on a log-uniform grid per norm group (:meth:`norm_groups`).
+        trellis: v2: every segment's indices are trellis codes (bits 2..7).
     """
 
     bits: int
@@ -260,6 +264,7 @@ class Header(NamedTuple):
     norm_correction: bool = False
     checksum: bool = False
     norm_bits: int = 0
+    trellis: bool = False
 
     @property
     def dim(self) -> int:
@@ -462,6 +467,7 @@ def header_bytes(header: Header) -> bytes:
             | (FLAG_NORMS_F32 if header.norm_dtype == "float32" else 0)
             | (FLAG_KV if header.kv_layout else 0)
             | (FLAG_NORM_CODES if header.norm_bits else 0)
+            | (FLAG_TRELLIS if header.trellis else 0)
         )
         vb = header.bits if header.value_bits is None else header.value_bits
         prefix = _PREFIX2.pack(
@@ -816,6 +822,9 @@ def _read_prefix(r: _Reader, verify: bool = True) -> dict:
         raise BadFieldError(f"TQ01 v2 rotation code {rot} is unknown (known: {ROTATION_CODES}).")
     _check_bits(kb, range(1, 9), "key bits")
     _check_bits(vb, range(1, 9), "value bits")
+    if flags & FLAG_TRELLIS:
+        _check_bits(kb, TRELLIS_BITS, "trellis key bits")
+        _check_bits(vb, TRELLIS_BITS, "trellis value bits")
     kv = bool(flags & FLAG_KV)
     if not kv and (kb != vb or s0 or s1):
         raise BadFieldError(
@@ -842,6 +851,7 @@ def _read_prefix(r: _Reader, verify: bool = True) -> dict:
         norm_dtype="float32" if flags & FLAG_NORMS_F32 else "float16",
         norm_correction=bool(flags & FLAG_NORM_CORRECTION),
         checksum=bool(flags & FLAG_CHECKSUM),
+        trellis=bool(flags & FLAG_TRELLIS),
     )
 
 

@@ -257,6 +257,12 @@ def check_layout(head_dim: int, opts: _options.Options, dtype) -> str:
         ValueError: rows that do not pack into whole bytes, a dense rotation beyond what
             TQ01 readers accept, or an unsupported dtype.
     """
+    if opts.trellis:
+        raise ValueError(
+            "trellis=True (e.g. options='turbo-4t') is a blob format the cache's attention kernels do not read: "
+            "they score scalar codes. Keep the cache on its scalar preset (options='turbo-4'); a trellis "
+            "blob decodes with tq_jax.loads."
+        )
     for name, bits in (("key_bits", opts.key_bits), ("value_bits", opts.value_bits)):
         g = _packing.plane_count(int(bits))
         if head_dim % g:

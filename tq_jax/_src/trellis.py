@@ -1,0 +1,143 @@
+"""Trellis-coded quantization (TCQ) of the rotated coordinates: TQ01 v2's ``TRELLIS`` mode.
+
+A scalar quantizer codes each coordinate alone. TCQ (Marcellin & Fischer) codes the
+``d`` coordinates of a vector as one path through a trellis, at the same fixed rate:
+
+* the *doubled codebook* is the Lloyd–Max codebook of ``bits + 1`` bits
+  (:func:`tq_jax._src.codebook.lloyd_max`), narrowed by the factor :data:`SCALES` gives
+  for ``bits`` (a trellis reaches levels a scalar quantizer cannot use, so its best
+  codebook is narrower), and split into four subsets ``D_j`` by index mod 4:
+  ``levels[j, k] = scale · c[4k + j]``;
+* the trellis has :data:`STATES` = 8 states; the state before coordinate ``t`` is the
+  last three *branch bits*, ``s_t = b_{t-1} + 2 b_{t-2} + 4 b_{t-3}`` (0 before the
+  start). From state ``s`` the branch ``b`` uses subset :func:`subset` ``(s, b)``;
+* every coordinate stores a ``bits``-bit code ``c_t = 2 k_t + b_t``: its branch bit and
+  the index ``k_t`` of its level in that subset. The bytes are the scalar codes' bytes.
+
+The encoder (:func:`quantize`) finds the path of least squared error with a Viterbi
+search per vector (8 states × ``d`` steps). The decoder needs no search and no
+sequence: coordinate ``t``'s state follows from the branch bits of ``t-1..t-3``, so
+every coordinate decodes at once with one lookup in a ``(8 · 2**bits,)`` table
+(:func:`decode_table`, :func:`lookup`). Layer 3½, beside ``_kernels`` (which calls it):
+numpy tables built from the codebook, and the two jnp kernels. The wire format's own
+copy of :data:`BITS` is ``wire.TRELLIS_BITS`` (the parser imports no JAX).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tq_jax._src import _lru
+from tq_jax._src import codebook as _codebook
+
+__all__ = ["BITS", "STATES", "SCALES", "subset", "levels", "decode_table", "quantize", "lookup", "CACHE"]
+
+STATES = 8
+# The narrowing of the doubled codebook per bit width: the factor (in steps of 0.025)
+# with the least squared error on Gaussian unit vectors at head_dim 64 and 128
+# (benchmarks/results/trellis_scales_cpu.md). A format constant: decoders use it as is.
+SCALES = {2: 0.85, 3: 0.875, 4: 0.85, 5: 0.75, 6: 0.725, 7: 0.725}
+BITS = range(2, 8)  # the doubled codebook needs bits + 1 <= 8
+
+
+def subset(state, branch):
+    """The subset (0..3) that ``branch`` (0/1) from ``state`` (0..7) codes into: a state's
+    two branches use D0/D2 (even states) or D1/D3 (odd states), as set partitioning
+    wants. Works on Python ints, numpy and jax integer arrays alike."""
+    parity = ((state & 1) ^ ((state >> 2) & 1)) & 1
+    return (state & 1) + 2 * (branch ^ parity)
+
+
+_CACHE_KEYS = 64
+CACHE = _lru.LRU("trellis tables", max_entries=_CACHE_KEYS, max_bytes=4 << 20)  # keyed by a header's (dim, bits)
+
+
+def _check(dim: int, bits: int) -> None:
+    if bits not in BITS:
+        raise ValueError(
+            f"trellis coding takes {BITS.start}..{BITS.stop - 1} bits per coordinate, got {bits!r}: its "
+            f"doubled codebook has bits + 1 bits, and codebooks stop at 8."
+        )
+
+
+@CACHE.memoize
+def levels(dim: int, bits: int) -> np.ndarray:
+    """``float32 [4, 2**(bits-1)]``: ``levels[j, k]`` is level ``k`` of subset ``D_j``
+    (sorted ascending in ``k``), for unit vectors of length ``dim``."""
+    _check(dim, bits)
+    base = np.asarray(_codebook.lloyd_max(dim, bits + 1).centroids, np.float32)
+    out = np.ascontiguousarray((base * np.float32(SCALES[bits])).reshape(-1, 4).T)
+    out.flags.writeable = False
+    return out
+
+
+@CACHE.memoize
+def decode_table(dim: int, bits: int) -> np.ndarray:
+    """``float32 [8 · 2**bits]``: entry ``s · 2**bits + c`` is the level of code ``c`` read
+    in state ``s`` — ``levels[subset(s, c & 1), c >> 1]``."""
+    lv = levels(dim, bits)
+    s, c = np.meshgrid(np.arange(STATES), np.arange(1 << bits), indexing="ij")
+    out = np.ascontiguousarray(lv[subset(s, c & 1), c >> 1].reshape(-1))
+    out.flags.writeable = False
+    return out
+
+
+# The trellis's shape, as constants of every program: the two states that lead into
+# state s (``PRED[s, k] = (s >> 1) | (k << 2)``), and the subset of that step.
+NEXT = np.arange(STATES)
+PRED = np.stack([(NEXT >> 1) | (k << 2) for k in (0, 1)], axis=1)
+PRED_SUBSET = subset(PRED, (NEXT & 1)[:, None])
+
+
+def quantize(y, lv):
+    """The Viterbi search: ``y (..., d)`` float32 -> uint8 codes ``(..., d)`` whose
+    :func:`lookup` has the least squared error to ``y`` among all paths from state 0.
+
+    ``lv`` is :func:`levels`' table (a numpy constant or a device array). Per step the
+    search keeps one cost per state; what it stores for the traceback is two uint8 per
+    (vector, state, coordinate). Ties go to the branch from the lower predecessor, so the
+    codes are a function of ``y`` alone. Traceable.
+    """
+    shape = y.shape
+    d = shape[-1]
+    y = jnp.asarray(y, jnp.float32).reshape(-1, d)
+    n = y.shape[0]
+    lv = jnp.asarray(lv, jnp.float32)
+    bounds = (lv[:, 1:] + lv[:, :-1]) * 0.5  # [4, M-1]
+    pred, sub = jnp.asarray(PRED), jnp.asarray(PRED_SUBSET)
+    branch_bit = jnp.asarray(NEXT & 1, jnp.uint8)
+
+    def step(cost, v):  # cost [N, 8], v [N]
+        k = jnp.sum((v[:, None, None] > bounds[None]).astype(jnp.int32), axis=-1)  # [N, 4]: nearest per subset
+        err = jnp.square(v[:, None] - jnp.take_along_axis(lv[None], k[..., None], axis=2)[..., 0])
+        total = cost[:, pred] + err[:, sub]  # [N, 8, 2]
+        second = total[..., 1] < total[..., 0]
+        best = jnp.where(second, total[..., 1], total[..., 0])
+        index = jnp.where(second, k[:, sub[:, 1]], k[:, sub[:, 0]])  # [N, 8]
+        code = (index.astype(jnp.uint8) << 1) | branch_bit
+        return best, (second.astype(jnp.uint8), code)
+
+    cost0 = jnp.full((n, STATES), jnp.inf, jnp.float32).at[:, 0].set(0.0)
+    cost, (back, codes) = jax.lax.scan(step, cost0, y.T)  # back, codes: [d, N, 8]
+    rows = jnp.arange(n)
+
+    def trace(state, t):
+        c = codes[t][rows, state]
+        return pred[state, back[t][rows, state].astype(jnp.int32)], c
+
+    end = jnp.argmin(cost, axis=1).astype(jnp.int32)
+    _, out = jax.lax.scan(trace, end, jnp.arange(d - 1, -1, -1))  # [d, N], last coordinate first
+    return out[::-1].T.reshape(shape)
+
+
+def lookup(codes, table, bits: int):
+    """Decode: ``codes (..., d)`` (integers < ``2**bits``) -> float32 levels ``(..., d)``,
+    every coordinate at once; ``table`` is :func:`decode_table`'s. Traceable."""
+    c = jnp.asarray(codes).astype(jnp.int32)
+    b = c & 1
+    pad = [(0, 0)] * (c.ndim - 1)
+    d = c.shape[-1]
+    state = sum(jnp.pad(b, pad + [(k, 0)])[..., :d] << (k - 1) for k in (1, 2, 3))
+    return jnp.take(jnp.asarray(table), (state << bits) | c, mode="clip")
