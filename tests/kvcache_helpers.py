@@ -17,9 +17,10 @@ H = 2  # kv_heads
 def dumps_kv(k, v, cfg):
     """What tq_jax.dumps writes for one sequence's K/V [T, H, D] under the cache's settings."""
     x = np.stack([k, v])[:, None]
+    kw = dict(seed=cfg.seed, rotation=cfg.rotation, norm_correction=cfg.norm_correction, trellis=cfg.trellis)
     if cfg.key_bits == cfg.value_bits:
-        return tq_jax.dumps(x, bits=cfg.key_bits, seed=cfg.seed, rotation=cfg.rotation)
-    return tq_jax.dumps(x, key_bits=cfg.key_bits, value_bits=cfg.value_bits, seed=cfg.seed, rotation=cfg.rotation)
+        return tq_jax.dumps(x, bits=cfg.key_bits, **kw)
+    return tq_jax.dumps(x, key_bits=cfg.key_bits, value_bits=cfg.value_bits, **kw)
 
 
 def decoded_kv(k, v, cfg):

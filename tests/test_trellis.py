@@ -19,6 +19,8 @@ from tq_jax import kvcache
 from tq_jax._src import codebook, rotation, trellis, wire
 
 from conftest import cosine
+from kvcache_helpers import D, H, dumps_kv, fill
+from tq_jax._src.kvcache.reference import dense_attention
 
 
 def unit(n, d, seed=0):
@@ -49,7 +51,7 @@ def spec_decode(codes, d, bits):
 @pytest.mark.parametrize("bits", [2, 3, 5])
 def test_lookup_is_the_sequential_state_machine(bits):
     codes = np.random.default_rng(bits).integers(0, 1 << bits, (5, 24)).astype(np.uint8)
-    got = np.asarray(trellis.lookup(codes, trellis.decode_table(24, bits), bits))
+    got = np.asarray(trellis.lookup(codes, bits))
     np.testing.assert_array_equal(got, spec_decode(codes, 24, bits))
 
 
@@ -58,10 +60,10 @@ def test_viterbi_finds_the_least_error_path(bits):
     """Brute force: every branch-bit sequence of 8 coordinates, each coordinate then at
     the nearest level of its subset."""
     d = 8
-    y = unit(6, d, seed=bits) * np.float32(np.sqrt(d / 16))  # spread over the levels of dim 16
-    lv = spec_levels(16, bits)
-    got = np.asarray(trellis.quantize(y, trellis.levels(16, bits)))
-    err = ((spec_decode(got, 16, bits) - y) ** 2).sum(-1)
+    y = unit(6, d, seed=bits)
+    lv = spec_levels(d, bits)
+    got = np.asarray(trellis.quantize(y, bits))
+    err = ((spec_decode(got, d, bits) - y) ** 2).sum(-1)
     for i in range(len(y)):
         best = np.inf
         for path in itertools.product((0, 1), repeat=d):
@@ -81,8 +83,7 @@ def test_trellis_error_is_below_lloyd_max_at_the_same_bits(bits, gain_db):
     the codebook's own expected value, computed in closed form."""
     d = 64
     y = unit(2048, d)
-    codes = trellis.quantize(y, trellis.levels(d, bits))
-    mse = float(np.mean((np.asarray(trellis.lookup(codes, trellis.decode_table(d, bits), bits)) - y) ** 2))
+    mse = float(np.mean((np.asarray(trellis.lookup(trellis.quantize(y, bits), bits)) - y) ** 2))
     scalar = codebook.expected_mse(d, bits)
     assert 10 * np.log10(scalar / mse) >= gain_db
 
@@ -216,6 +217,46 @@ def test_row_api_round_trips_trellis_codes():
     np.testing.assert_allclose(y, blob_y, rtol=1e-5, atol=1e-6)
 
 
-def test_the_cache_refuses_trellis_options_with_what_to_do():
-    with pytest.raises(ValueError, match="options='turbo-4'"):
-        kvcache.init(1, 64, 2, 64, options="turbo-4t")
+
+
+def test_a_trellis_cache_attends_over_what_its_export_decodes_to():
+    """Codes only, paged, GQA 2, ragged appends: attention over the cache's trellis codes
+    equals float64 attention over the decoded blob, and the cache holds the codes dumps writes."""
+    rng = np.random.default_rng(5)
+    cache = kvcache.init(3, 48, H, D, options="turbo-4t", dtype=jnp.float32, page_size=16, block_tokens=16,
+                         window=0, sinks=0)
+    assert cache.config.trellis
+    cache, ks, vs = fill(cache, rng, first=[16, 11, 16], second=[16, 16, 9])
+    q = rng.standard_normal((3, 2, H * 2, D)).astype(np.float32)
+    out = np.asarray(kvcache.attend(cache, q))
+    for b in range(3):
+        blob = kvcache.export(cache, seq=b)
+        mine, theirs = wire.parse(blob), wire.parse(dumps_kv(ks[b], vs[b], cache.config))
+        assert mine.header.trellis and theirs.header.trellis
+        for got, want in zip(mine.indices, theirs.indices):  # the codes dumps writes (norms: nc folded in)
+            np.testing.assert_array_equal(got, want)
+        kv_dec = np.asarray(tq_jax.loads(blob, dtype=jnp.float32))
+        ref = dense_attention(q[b], kv_dec[0, 0], kv_dec[1, 0])
+        np.testing.assert_allclose(out[b], ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max())
+
+
+def test_a_turbo_4t_blob_loads_into_a_turbo_4t_cache_and_attends_as_its_values():
+    rng = np.random.default_rng(6)
+    k = rng.standard_normal((21, H, D)).astype(np.float32)
+    v = rng.standard_normal((21, H, D)).astype(np.float32)
+    blob = tq_jax.dumps(np.stack([k, v])[:, None], options="turbo-4t")
+    cache = kvcache.init(1, 32, H, D, options="turbo-4t", dtype=jnp.float32, block_tokens=16, window=0, sinks=0)
+    cache = kvcache.load(cache, blob)
+    kv_dec = np.asarray(tq_jax.loads(blob, dtype=jnp.float32))
+    q = rng.standard_normal((1, 2, H, D)).astype(np.float32)
+    ref = dense_attention(q[0], kv_dec[0, 0], kv_dec[1, 0])
+    np.testing.assert_allclose(np.asarray(kvcache.attend(cache, q))[0], ref, rtol=2e-3, atol=2e-3 * np.abs(ref).max())
+    with pytest.raises(ValueError, match="trellis codes"):  # a scalar cache refuses trellis codes
+        kvcache.load(kvcache.init(1, 32, H, D, options="turbo-4", window=0, sinks=0), blob)
+
+
+@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
+def test_the_pallas_kernels_refuse_a_trellis_cache_with_what_to_do(impl):
+    cache = kvcache.init(1, 16, H, D, options="turbo-4t", window=0, sinks=0)
+    with pytest.raises(ValueError, match="impl='auto' or impl='xla'"):
+        kvcache.attend(cache, np.zeros((1, 1, H, D), np.float32), impl=impl)

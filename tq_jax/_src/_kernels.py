@@ -51,8 +51,10 @@ class Tables(NamedTuple):
     # ``rotate`` yields coordinates ready to pack; None for Hadamard (its output is
     # regrouped in the kernel) or when rows are not byte-aligned (dim*bits % 8 != 0).
     planar_dense: np.ndarray | None
-    # Trellis coding (TQ01 v2 TRELLIS): (levels float32 [4, 2**(bits-1)], decode table
-    # float32 [8 * 2**bits]) of tq_jax._src.trellis; None for the scalar codebook.
+    # Trellis-coded indices (TQ01 v2 TRELLIS; tq_jax._src.trellis, whose tables are
+    # constants of the (dim, bits) programs): ``()`` marks them, None the scalar codebook.
+    # An empty tuple is pytree structure with no leaves, so under ``jit`` the choice is
+    # static, like ``grid``'s None.
     trellis: tuple | None = None
 
 NORM_EPS = 1e-10  # the reference's guard in u = x / (n + eps)
@@ -474,16 +476,16 @@ def _unit_levels_to_vectors(y_hat, norms, rotation: RotationOp, dtype, norm_corr
     return cast(x_hat * norms.astype(jnp.float32)[..., None], dtype)
 
 
-def encode_trellis(x, tabs: Tables):
+def encode_trellis(x, tabs: Tables, bits: int):
     """Trellis codes uint8 ``(..., d)`` (natural order) and float32 norms ``(...)`` of ``x``:
     the rotated unit vectors searched by :func:`tq_jax._src.trellis.quantize`."""
     y, norms = _norms_and_rotate(x, tabs.rotation)
-    return _trellis.quantize(y, tabs.trellis[0]), norms
+    return _trellis.quantize(y, bits), norms
 
 
 def decode_trellis(codes, norms, tabs: Tables, bits: int, dtype, norm_correction=False):
     """Inverse of :func:`encode_trellis`: ``(..., d)`` vectors of ``dtype``."""
-    y_hat = _trellis.lookup(codes, tabs.trellis[1], bits)
+    y_hat = _trellis.lookup(codes, bits)
     return _unit_levels_to_vectors(y_hat, norms, tabs.rotation, dtype, norm_correction)
 
 
@@ -495,7 +497,7 @@ def encode_rows(x, tabs: Tables, bits: int):
     """
     d = x.shape[-1]
     if tabs.trellis is not None:
-        codes, norms = encode_trellis(x, tabs)
+        codes, norms = encode_trellis(x, tabs, bits)
         return _packing.pack(codes, bits), norms
     if grouped(d, tabs.rotation):
         packed, norms = encode_groups(x, tabs, bits)
@@ -574,7 +576,7 @@ def encode_stream(x, tabs: Tables, bits: int):
     """
     dim = x.shape[-1]
     if tabs.trellis is not None:
-        codes, norms = encode_trellis(x, tabs)
+        codes, norms = encode_trellis(x, tabs, bits)
         return _packing.pack(codes.reshape(-1), bits), norms
     if grouped(dim, tabs.rotation):
         return encode_groups(x, tabs, bits)

@@ -171,8 +171,9 @@ def _build_tables(dim: int, bits: int, seed: int, rotation: str, trellis: bool) 
     else:
         st = _rotation.structured_rotation(dim, seed)
         op = RotationOp(signs=st.signs, odd=st.odd)
-    tcq = (_trellis.levels(dim, bits), _trellis.decode_table(dim, bits)) if trellis else None
-    return _kernels.Tables(op, cb.centroids, cb.boundaries, grid, planar_dense, tcq)
+    if trellis:
+        _trellis.levels(dim, bits)  # checks the width
+    return _kernels.Tables(op, cb.centroids, cb.boundaries, grid, planar_dense, () if trellis else None)
 
 
 def _tables(dim: int, bits: int, seed: int, rotation: str, trellis: bool) -> _kernels.Tables:
@@ -198,8 +199,7 @@ _device_rotations = _lru.LRU("codec device rotations", _DEVICE_CACHE_SIZE, _TABL
 def _to_arrays(t: _kernels.Tables, put, rot: RotationOp) -> _kernels.Tables:
     grid = None if t.grid is None else tuple(put(np.asarray(a)) for a in t.grid)
     planar = None if t.planar_dense is None else put(t.planar_dense)
-    tcq = None if t.trellis is None else tuple(put(a) for a in t.trellis)
-    return _kernels.Tables(rot, put(t.centroids), put(t.boundaries), grid, planar, tcq)
+    return _kernels.Tables(rot, put(t.centroids), put(t.boundaries), grid, planar, t.trellis)
 
 
 def device_tables(config: CodecConfig, device=None) -> _kernels.Tables:

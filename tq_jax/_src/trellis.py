@@ -91,53 +91,78 @@ PRED = np.stack([(NEXT >> 1) | (k << 2) for k in (0, 1)], axis=1)
 PRED_SUBSET = subset(PRED, (NEXT & 1)[:, None])
 
 
-def quantize(y, lv):
+def _nearest(v, lv):
+    """Per subset ``j``, the index and squared error of ``D_j``'s level nearest ``v``: two
+    lists of four arrays of ``v``'s shape. A fixed chain of compares and selects over the
+    sorted levels per subset (no gather, no float sum: the same bits on every CPU)."""
+    ks, errs = [], []
+    for levels_j in lv:
+        k = jnp.zeros(v.shape, jnp.int32)
+        val = jnp.full(v.shape, levels_j[0], jnp.float32)
+        for m in range(1, levels_j.shape[0]):
+            above = v > (levels_j[m - 1] + levels_j[m]) * np.float32(0.5)
+            val = jnp.where(above, levels_j[m], val)
+            k = k + above.astype(jnp.int32)
+        ks.append(k.astype(jnp.uint8))
+        errs.append(jnp.square(v - val))
+    return ks, errs
+
+
+def quantize(y, bits: int):
     """The Viterbi search: ``y (..., d)`` float32 -> uint8 codes ``(..., d)`` whose
     :func:`lookup` has the least squared error to ``y`` among all paths from state 0.
 
-    ``lv`` is :func:`levels`' table (a numpy constant or a device array). Per step the
-    search keeps one cost per state; what it stores for the traceback is two uint8 per
-    (vector, state, coordinate). Ties go to the branch from the lower predecessor, so the
-    codes are a function of ``y`` alone. Traceable.
+    The levels (:func:`levels` of ``(d, bits)``) are constants of the program. The search
+    runs over the ``d`` coordinates with every vector side by side: per coordinate, the
+    nearest level of each subset (:func:`_nearest`), then one cost per state (adds,
+    compares and selects on whole columns, no gather), keeping one byte of decisions and
+    the four subset indices per (vector, coordinate) for the traceback. Ties go to the
+    branch from the lower predecessor, so the codes are a function of ``y`` alone.
+    Traceable.
     """
     shape = y.shape
     d = shape[-1]
-    y = jnp.asarray(y, jnp.float32).reshape(-1, d)
-    n = y.shape[0]
-    lv = jnp.asarray(lv, jnp.float32)
-    bounds = (lv[:, 1:] + lv[:, :-1]) * 0.5  # [4, M-1]
-    pred, sub = jnp.asarray(PRED), jnp.asarray(PRED_SUBSET)
-    branch_bit = jnp.asarray(NEXT & 1, jnp.uint8)
+    lv = levels(d, bits)
+    yt = jnp.asarray(y, jnp.float32).reshape(-1, d).T  # [d, N]: the scan runs over coordinates
+    n = yt.shape[1]
 
-    def step(cost, v):  # cost [N, 8], v [N]
-        k = jnp.sum((v[:, None, None] > bounds[None]).astype(jnp.int32), axis=-1)  # [N, 4]: nearest per subset
-        err = jnp.square(v[:, None] - jnp.take_along_axis(lv[None], k[..., None], axis=2)[..., 0])
-        total = cost[:, pred] + err[:, sub]  # [N, 8, 2]
-        second = total[..., 1] < total[..., 0]
-        best = jnp.where(second, total[..., 1], total[..., 0])
-        index = jnp.where(second, k[:, sub[:, 1]], k[:, sub[:, 0]])  # [N, 8]
-        code = (index.astype(jnp.uint8) << 1) | branch_bit
-        return best, (second.astype(jnp.uint8), code)
+    def step(cost, v):  # cost: 8 arrays [N]; v [N]
+        ks, err = _nearest(v, lv)
+        new, decided = [], jnp.zeros(v.shape, jnp.uint8)
+        for s in range(STATES):
+            a = cost[PRED[s, 0]] + err[PRED_SUBSET[s, 0]]
+            b = cost[PRED[s, 1]] + err[PRED_SUBSET[s, 1]]
+            second = b < a
+            new.append(jnp.where(second, b, a))
+            decided = decided | (second.astype(jnp.uint8) << np.uint8(s))
+        return tuple(new), (decided, jnp.stack(ks))
 
-    cost0 = jnp.full((n, STATES), jnp.inf, jnp.float32).at[:, 0].set(0.0)
-    cost, (back, codes) = jax.lax.scan(step, cost0, y.T)  # back, codes: [d, N, 8]
-    rows = jnp.arange(n)
+    inf = jnp.full((n,), jnp.inf, jnp.float32)
+    cost0 = (jnp.zeros((n,), jnp.float32),) + (inf,) * (STATES - 1)
+    # decisions [d, N]: bit s = the branch into state s came from its second predecessor
+    cost, (decisions, k) = jax.lax.scan(step, cost0, yt)  # k [d, 4, N]
+    end = jnp.argmin(jnp.stack(cost, axis=-1), axis=-1).astype(jnp.int32)
 
     def trace(state, t):
-        c = codes[t][rows, state]
-        return pred[state, back[t][rows, state].astype(jnp.int32)], c
+        pick = (decisions[t].astype(jnp.int32) >> state) & 1
+        prev = (state >> 1) | (pick << 2)
+        branch = state & 1
+        sub = subset(prev, branch)
+        kt = k[t].astype(jnp.int32)
+        index = jnp.where(sub == 0, kt[0], jnp.where(sub == 1, kt[1], jnp.where(sub == 2, kt[2], kt[3])))
+        return prev, ((index << 1) | branch).astype(jnp.uint8)
 
-    end = jnp.argmin(cost, axis=1).astype(jnp.int32)
     _, out = jax.lax.scan(trace, end, jnp.arange(d - 1, -1, -1))  # [d, N], last coordinate first
     return out[::-1].T.reshape(shape)
 
 
-def lookup(codes, table, bits: int):
+def lookup(codes, bits: int):
     """Decode: ``codes (..., d)`` (integers < ``2**bits``) -> float32 levels ``(..., d)``,
-    every coordinate at once; ``table`` is :func:`decode_table`'s. Traceable."""
+    every coordinate at once, from :func:`decode_table` of ``(d, bits)`` (a constant of
+    the program). Traceable."""
     c = jnp.asarray(codes).astype(jnp.int32)
     b = c & 1
     pad = [(0, 0)] * (c.ndim - 1)
     d = c.shape[-1]
     state = sum(jnp.pad(b, pad + [(k, 0)])[..., :d] << (k - 1) for k in (1, 2, 3))
-    return jnp.take(jnp.asarray(table), (state << bits) | c, mode="clip")
+    return jnp.take(jnp.asarray(decode_table(d, bits)), (state << bits) | c, mode="clip")

@@ -68,6 +68,13 @@ def resolve_impl(cache: KVCache, impl: str, platform: str | None = None) -> str:
     :func:`attend` resolves ``impl`` for every platform and stages the choices out
     (:func:`tq_jax._src.kvcache.target.staged`), so a program lowered for a platform holds
     that platform's kernel, whatever the host that traced it."""
+    if cache.config.trellis:
+        if impl in ("pallas_tpu", "pallas_gpu"):
+            raise ValueError(
+                f"impl={impl!r} reads scalar codes, and this cache holds trellis codes (trellis=True), which only "
+                f"the XLA loop reads: pass impl='auto' or impl='xla', or build the cache without trellis."
+            )
+        return "xla"
     if platform is None:
         platform = jax.default_backend()
     gpu = platform == "gpu" or platform in _target.GPU

@@ -48,7 +48,8 @@ def _host(x) -> np.ndarray:
 
 def _writer_options(cfg: CacheConfig) -> _options.Options:
     return _options.Options(
-        key_bits=cfg.key_bits, value_bits=cfg.value_bits, seed=cfg.seed, rotation=cfg.rotation, norm_dtype="float16"
+        key_bits=cfg.key_bits, value_bits=cfg.value_bits, seed=cfg.seed, rotation=cfg.rotation, norm_dtype="float16",
+        trellis=cfg.trellis,
     )
 
 
@@ -137,6 +138,7 @@ def _check_blob(cfg: CacheConfig, h: _wire.Header, limit: int, where: str) -> in
         ("value bits", value_bits, cfg.value_bits),
         ("rotation", h.rotation, cfg.rotation),
         ("seed", h.seed, _wire.seed32(cfg.seed)),
+        ("trellis codes", h.trellis, cfg.trellis),
     ]
     for name, got, expect in checks:
         if got != expect:

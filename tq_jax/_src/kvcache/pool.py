@@ -73,7 +73,7 @@ class PoolConfig(_state.Codecs):
 
     Attributes:
         num_pages, page_size, kv_heads, head_dim: the pool's shape.
-        key_bits, value_bits, rotation, seed, norm_correction: the codec settings
+        key_bits, value_bits, rotation, seed, norm_correction, trellis: the codec settings
             (:class:`tq_jax.Options`'), as in :class:`~tq_jax._src.kvcache.CacheConfig`.
         dtype: the model's K/V dtype name (new K/V are cast to it; exact copies hold it).
         window: each sequence's most recent tokens read exactly; 0: none.
@@ -96,6 +96,7 @@ class PoolConfig(_state.Codecs):
     sinks: int
     exact_pages: int
     sink_slots: int
+    trellis: bool = False
 
     @property
     def window_pages(self) -> int:
@@ -110,6 +111,7 @@ class PoolConfig(_state.Codecs):
             key_bits=self.key_bits, value_bits=self.value_bits, rotation=self.rotation, seed=self.seed,
             dtype=self.dtype, page_size=self.page_size, num_pages=self.num_pages, page_tokens=self.page_size,
             block_tokens=block_tokens, window=0, sinks=self.sinks, norm_correction=self.norm_correction,
+            trellis=self.trellis,
         )
 
 
@@ -242,6 +244,7 @@ def init_pool(
         value_bits=opts.value_bits, rotation=opts.rotation, seed=opts.seed, dtype=dtype_name,
         norm_correction=opts.norm_correction, window=window, sinks=sinks,
         exact_pages=int(exact_pages) if window else 0, sink_slots=int(sink_slots) if sinks else 0,
+        trellis=opts.trellis,
     )
     return Pool(config=config, **_empty_leaves(config))
 

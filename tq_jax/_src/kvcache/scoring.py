@@ -16,12 +16,13 @@ import numpy as np
 
 from tq_jax._src import codec as _codec
 from tq_jax._src import packing as _packing
+from tq_jax._src import trellis as _trellis
 from tq_jax._src.kvcache.state import KVCache
 
 if TYPE_CHECKING:  # annotations only; jaxtyping is not a runtime dependency
     from jaxtyping import Array, Int32
 
-__all__ = ["planes", "parts", "lanes_tile", "lookup", "centroid_norms", "Query", "query", "coded_end", "coded_mask", "finish"]
+__all__ = ["planes", "levels", "parts", "lanes_tile", "lookup", "centroid_norms", "Query", "query", "coded_end", "coded_mask", "finish"]
 
 
 def planes(codes, bits: int, dim: int, parts: int) -> list:
@@ -34,6 +35,11 @@ def planes(codes, bits: int, dim: int, parts: int) -> list:
     in the rows' dtype, so the unpacking stays one element-wise pass with no interleave. Part ``p``
     is lanes ``p*G/parts ...`` side by side.
     """
+    return _split(_lanes(codes, bits, dim), parts)
+
+
+def _lanes(codes, bits: int, dim: int) -> list:
+    """The ``G = plane_count(bits)`` lanes of code rows, each ``(..., dim/G)``."""
     g = _packing.plane_count(bits)
     per_group = g * bits // 8
     if per_group == 1:  # a group is one byte: no reshape (a TPU kernel would pay a relayout for it)
@@ -48,8 +54,43 @@ def planes(codes, bits: int, dim: int, parts: int) -> list:
         if shift + bits > 8:  # the lane runs into the next byte
             x = x | (byte(first + 1) << np.uint8(8 - shift))
         lanes.append(x & np.uint8((1 << bits) - 1) if bits < 8 else x)
-    k = g // parts
+    return lanes
+
+
+def _split(lanes: list, parts: int) -> list:
+    """Lanes side by side in ``parts`` contiguous slices of the planar order."""
+    k = len(lanes) // parts
     return [lanes[p * k] if k == 1 else jnp.concatenate(lanes[p * k : (p + 1) * k], axis=-1) for p in range(parts)]
+
+
+def levels(codes, config: _codec.CodecConfig, parts: int) -> list:
+    """The float32 levels code rows ``(..., row)`` stand for, in planar order, as ``parts``
+    arrays (:func:`planes`' split): ``centroids[idx]``, or with ``config.trellis`` each
+    coordinate's trellis level, read in the state its three previous coordinates' branch
+    bits give (:mod:`tq_jax._src.trellis`). In planar order coordinate ``j*G + i`` is lane
+    ``i`` of group ``j``, so coordinate ``t - k`` is a lane to the left, or lane
+    ``(i - k) mod G`` of an earlier group: a shift along the groups, never an interleave."""
+    bits, dim = config.bits, config.dim
+    if not config.trellis:
+        table = _codec.device_tables(config).centroids
+        return [lookup(table, ip) for ip in planes(codes, bits, dim, parts)]
+    lanes = _lanes(codes, bits, dim)
+    g, n = len(lanes), dim // len(lanes)
+    branch = [(lane & 1).astype(jnp.int32) for lane in lanes]
+
+    def before(i: int, k: int):  # the branch bits of coordinates t - k, for the t of lane i
+        back = -((i - k) // g)  # groups to the left
+        b = branch[(i - k) % g]
+        if back:
+            b = jnp.pad(b, [(0, 0)] * (b.ndim - 1) + [(back, 0)])[..., :n]
+        return b
+
+    table = jnp.asarray(_trellis.decode_table(dim, bits))
+    out = []
+    for i, lane in enumerate(lanes):
+        state = before(i, 1) | (before(i, 2) << 1) | (before(i, 3) << 2)
+        out.append(lookup(table, (state << bits) | lane.astype(jnp.int32)))
+    return _split(out, parts)
 
 
 def parts(bits: int) -> int:
@@ -69,7 +110,7 @@ def lanes_tile(cfg) -> bool:
 
 
 def lookup(centroids, idx):
-    """``centroids[idx]`` for uint8 indices below the table's length."""
+    """``centroids[idx]`` for integer indices below the table's length."""
     return centroids.at[idx.astype(jnp.uint32)].get(mode="promise_in_bounds")
 
 
@@ -77,8 +118,10 @@ def centroid_norms(codes, config: _codec.CodecConfig):
     """float32 ``|c|`` of each stored centroid vector (code rows ``(..., row)``): the
     rotation keeps lengths, so it is the root of the summed squared centroids of the
     row's indices (no rotation, no ``(..., dim)`` float tensor beyond one plane)."""
-    squares = jnp.square(jnp.asarray(_codec.device_tables(config).centroids, jnp.float32))
     n = parts(config.bits)
+    if config.trellis:
+        return jnp.sqrt(sum(jnp.sum(jnp.square(c), axis=-1) for c in levels(codes, config, n)))
+    squares = jnp.square(jnp.asarray(_codec.device_tables(config).centroids, jnp.float32))
     total = sum(jnp.sum(lookup(squares, ip), axis=-1) for ip in planes(codes, config.bits, config.dim, n))
     return jnp.sqrt(total)
 

@@ -64,16 +64,16 @@ SINKS_WHY = "the first tokens of each sequence that attend reads exactly; at mos
 
 class Codecs:
     """The codec configs of a cache's keys and values, for any config with ``head_dim``,
-    ``key_bits``, ``value_bits``, ``seed`` and ``rotation`` (:class:`CacheConfig`,
+    ``key_bits``, ``value_bits``, ``seed``, ``rotation`` and ``trellis`` (:class:`CacheConfig`,
     :class:`tq_jax._src.kvcache.pool.PoolConfig`)."""
 
     @property
     def key_codec(self) -> _codec.CodecConfig:
-        return _codec.CodecConfig(self.head_dim, self.key_bits, self.seed, self.rotation)
+        return _codec.CodecConfig(self.head_dim, self.key_bits, self.seed, self.rotation, trellis=self.trellis)
 
     @property
     def value_codec(self) -> _codec.CodecConfig:
-        return _codec.CodecConfig(self.head_dim, self.value_bits, self.seed, self.rotation)
+        return _codec.CodecConfig(self.head_dim, self.value_bits, self.seed, self.rotation, trellis=self.trellis)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +103,8 @@ class CacheConfig(Codecs):
         norm_correction: the stored norm of each vector is ``|x| / |c|`` (``c`` its
             centroid vector), so decoding ``norm * R^T c`` gives TQ01 v2's
             norm-corrected reconstruction.
+        trellis: the codes are trellis codes (TQ01 v2 ``TRELLIS``): a coordinate's level
+            depends on the three before it, so only the XLA loop reads them.
     """
 
     batch: int
@@ -121,6 +123,7 @@ class CacheConfig(Codecs):
     window: int = 0
     sinks: int = 0
     norm_correction: bool = False
+    trellis: bool = False
 
     @property
     def paged(self) -> bool:
@@ -257,12 +260,6 @@ def check_layout(head_dim: int, opts: _options.Options, dtype) -> str:
         ValueError: rows that do not pack into whole bytes, a dense rotation beyond what
             TQ01 readers accept, or an unsupported dtype.
     """
-    if opts.trellis:
-        raise ValueError(
-            "trellis=True (e.g. options='turbo-4t') is a blob format the cache's attention kernels do not read: "
-            "they score scalar codes. Keep the cache on its scalar preset (options='turbo-4'); a trellis "
-            "blob decodes with tq_jax.loads."
-        )
     for name, bits in (("key_bits", opts.key_bits), ("value_bits", opts.value_bits)):
         g = _packing.plane_count(int(bits))
         if head_dim % g:
@@ -398,6 +395,7 @@ def init(
         window=window,
         sinks=sinks,
         norm_correction=opts.norm_correction,
+        trellis=opts.trellis,
     )
     return KVCache(config=config, **_empty_leaves(config))
 

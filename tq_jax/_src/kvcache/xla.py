@@ -7,7 +7,6 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from tq_jax._src import codec as _codec
 from tq_jax._src.kvcache import scoring as _scoring
 from tq_jax._src.kvcache.state import KVCache
 
@@ -23,8 +22,6 @@ def partial(cache: KVCache, query: _scoring.Query):
     cfg = cache.config
     batch, dim = cache.lengths.shape[0], cfg.head_dim  # local batch under shard_map
     heads = cache.k_codes.shape[2]
-    kc = jnp.asarray(_codec.device_tables(cfg.key_codec).centroids)
-    vc = jnp.asarray(_codec.device_tables(cfg.value_codec).centroids)
     nv = _scoring.parts(cfg.value_bits)
     hi = query.hi
 
@@ -68,9 +65,9 @@ def partial(cache: KVCache, query: _scoring.Query):
         present = present[:, None, :]  # [B, 1, T]
         kn = jnp.where(present, gather(knorm, uidx, j).astype(jnp.float32), 0.0)  # [B, H, T]
         vn = jnp.where(present, gather(vnorm, uidx, j).astype(jnp.float32), 0.0)
-        kidx = _scoring.planes(gather(kpool, uidx, j), cfg.key_bits, dim, len(query.parts))
-        # q'.c[idx] per plane, then the norm: a [T] multiply, not a [T, D] one
-        s = sum(lax.dot_general(qp, _scoring.lookup(kc, ip), scores, precision=_HI) for qp, ip in zip(query.parts, kidx))
+        keys = _scoring.levels(gather(kpool, uidx, j), cfg.key_codec, len(query.parts))
+        # q'.c per plane, then the norm: a [T] multiply, not a [T, D] one
+        s = sum(lax.dot_general(qp, c, scores, precision=_HI) for qp, c in zip(query.parts, keys))
         s = s * kn[:, :, None, :]
         mask = _scoring.coded_mask(query, tok[None, None, :])[:, None]  # [B, 1, R, T]
         s = jnp.where(mask, s, -jnp.inf)
@@ -80,11 +77,8 @@ def partial(cache: KVCache, query: _scoring.Query):
         alpha = jnp.exp(m - m_safe)
         l = alpha * l + jnp.sum(p, axis=-1)
         pv = p * vn[:, :, None, :]
-        vidx = _scoring.planes(gather(vpool, uidx, j), cfg.value_bits, dim, nv)
-        acc = tuple(
-            alpha[..., None] * a + lax.dot_general(pv, _scoring.lookup(vc, ip), values, precision=_HI)
-            for a, ip in zip(acc, vidx)
-        )
+        vals = _scoring.levels(gather(vpool, uidx, j), cfg.value_codec, nv)
+        acc = tuple(alpha[..., None] * a + lax.dot_general(pv, c, values, precision=_HI) for a, c in zip(acc, vals))
         return m_new, l, acc
 
     # The carry starts from the query (zeros_like keeps its sharding type: under shard_map
