@@ -39,12 +39,14 @@ SETTINGS = {  # name -> (preset, window, sinks) for tq_jax; EasyDeL's are built 
     "tq_jax turbo-4, defaults": ("turbo-4", None, None),
     "tq_jax turbo-4, codes only": ("turbo-4", 0, 0),
     "tq_jax 4/4, codes only": (None, 0, 0),
+    "tq_jax turbo-4t, codes only": ("turbo-4t", 0, 0),
 }
 
 
-def models(base, length: int) -> dict:
+def models(base, length: int, only=None) -> dict:
     """One model per cache, sharing ``base``'s weights; ``"bf16"`` (the reference) holds
-    all ``length`` tokens of a sequence in its exact window."""
+    all ``length`` tokens of a sequence in its exact window. ``only``: the names of the
+    caches to build besides the reference (None: all)."""
     import easydel as ed
 
     from tq_jax.adapters import easydel as tq_easydel
@@ -57,6 +59,11 @@ def models(base, length: int) -> dict:
     for name, (preset, window, sinks) in SETTINGS.items():
         out[name] = tq_easydel.use(es.variant(base, attn_mechanism="ragged_page_attention_v3"), preset,
                                    window=window, sinks=sinks, max_seqs=1)
+    if only is not None:
+        unknown = set(only) - set(out)
+        if unknown:
+            raise SystemExit(f"--caches names no cache: {sorted(unknown)}; the caches: {sorted(set(out) - {'bf16'})}")
+        out = {name: m for name, m in out.items() if name == "bf16" or name in only}
     return out
 
 
@@ -69,6 +76,8 @@ def main(argv=None) -> int:
     p.add_argument("--windows", type=int, default=2)
     p.add_argument("--prefix", type=int, default=2048)
     p.add_argument("--scored", type=int, default=256)
+    p.add_argument("--caches", type=lambda s: [c.strip() for c in s.split(",")], default=None,
+                   help="comma-separated cache names to run beside the reference (default: all)")
     args = p.parse_args(argv)
 
     import easydel as ed
@@ -81,7 +90,7 @@ def main(argv=None) -> int:
     es.shims(args.cache_mb)
     es.attend_in_query_dtype()
     base = es.base_model(model_dir, dtype=jnp.float32)
-    ms = models(base, args.prefix + args.scored)
+    ms = models(base, args.prefix + args.scored, args.caches)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     ids = es.held_text(tok)
     need = args.windows * (args.prefix + args.scored)
