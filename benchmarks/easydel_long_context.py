@@ -76,8 +76,8 @@ def main(argv=None) -> int:
     p.add_argument("--windows", type=int, default=2)
     p.add_argument("--prefix", type=int, default=2048)
     p.add_argument("--scored", type=int, default=256)
-    p.add_argument("--caches", type=lambda s: [c.strip() for c in s.split(",")], default=None,
-                   help="comma-separated cache names to run beside the reference (default: all)")
+    p.add_argument("--caches", type=lambda s: [c.strip() for c in s.split(";")], default=None,
+                   help="cache names separated by ';' to run beside the reference (default: all)")
     args = p.parse_args(argv)
 
     import easydel as ed
