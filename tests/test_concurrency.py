@@ -193,7 +193,7 @@ def test_device_table_cache_under_contention():
     with ThreadPoolExecutor(8) as pool:
         got = list(pool.map(get, range(8)))
     assert all(g is got[0] for g in got)  # every thread holds the cached entry
-    key = (56, 5, 31337, "haar", None)
+    key = (56, 5, 31337, "haar", False, None)  # dim, bits, seed, rotation, trellis, device
     assert codec._device_cache.get(key) is got[0]
     # Evicting under contention: many distinct keys from many threads, bounded result.
     cfgs = [codec.CodecConfig(dim=56, bits=2, seed=s) for s in range(codec._DEVICE_CACHE_SIZE + 40)]

@@ -145,7 +145,7 @@ def test_bits_per_element_table_is_what_serialized_size_gives():
             size = tq_jax.serialized_size(shape, "bfloat16", **kwargs)
             assert cell == f"{size * 8 / math.prod(shape):.3f}", (name, shape, cell)
         seen[name] = cells
-    assert set(seen) == {"`bits=4` (4/4, v1)", "`turbo-4`", "`turbo-3.5`", "`turbo-2.5`"}
+    assert set(seen) == {"`bits=4` (4/4, v1)", "`turbo-4`", "`turbo-4t`", "`turbo-3.5`", "`turbo-2.5`"}
     # docs/bridge.md's production paragraph quotes the presets' numbers
     bridge = " ".join(_read("docs", "bridge.md").split())
     assert (f"`turbo-4`: {seen['`turbo-4`'][0]} bits per element at head_dim 128, {seen['`turbo-4`'][1]} at 64"
