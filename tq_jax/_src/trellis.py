@@ -112,48 +112,47 @@ def quantize(y, bits: int):
     """The Viterbi search: ``y (..., d)`` float32 -> uint8 codes ``(..., d)`` whose
     :func:`lookup` has the least squared error to ``y`` among all paths from state 0.
 
-    The levels (:func:`levels` of ``(d, bits)``) are constants of the program. The search
-    runs over the ``d`` coordinates with every vector side by side: per coordinate, the
-    nearest level of each subset (:func:`_nearest`), then one cost per state (adds,
-    compares and selects on whole columns, no gather), keeping one byte of decisions and
-    the four subset indices per (vector, coordinate) for the traceback. Ties go to the
-    branch from the lower predecessor, so the codes are a function of ``y`` alone.
+    The levels (:func:`levels` of ``(d, bits)``) are constants of the program. First the
+    nearest level of each subset, for every coordinate at once (:func:`_nearest`); then
+    the search runs over the ``d`` coordinates with every vector side by side, one cost
+    per state (adds, compares and selects on whole columns, no gather), keeping one byte
+    of decisions per (vector, coordinate); the traceback runs back over them. Ties go to
+    the branch from the lower predecessor, so the codes are a function of ``y`` alone.
     Traceable.
     """
     shape = y.shape
     d = shape[-1]
-    lv = levels(d, bits)
-    yt = jnp.asarray(y, jnp.float32).reshape(-1, d).T  # [d, N]: the scan runs over coordinates
+    yt = jnp.asarray(y, jnp.float32).reshape(-1, d).T  # [d, N]: the scans run over coordinates
     n = yt.shape[1]
+    ks, errs = _nearest(yt, levels(d, bits))  # four [d, N] each, kept apart (no stacked copy)
 
-    def step(cost, v):  # cost: 8 arrays [N]; v [N]
-        ks, err = _nearest(v, lv)
-        new, decided = [], jnp.zeros(v.shape, jnp.uint8)
+    def step(cost, err):  # cost: 8 arrays [N]; err: 4 arrays [N]
+        new, decided = [], jnp.zeros(err[0].shape, jnp.uint8)
         for s in range(STATES):
             a = cost[PRED[s, 0]] + err[PRED_SUBSET[s, 0]]
             b = cost[PRED[s, 1]] + err[PRED_SUBSET[s, 1]]
             second = b < a
             new.append(jnp.where(second, b, a))
             decided = decided | (second.astype(jnp.uint8) << np.uint8(s))
-        return tuple(new), (decided, jnp.stack(ks))
+        return tuple(new), decided
 
     inf = jnp.full((n,), jnp.inf, jnp.float32)
     cost0 = (jnp.zeros((n,), jnp.float32),) + (inf,) * (STATES - 1)
     # decisions [d, N]: bit s = the branch into state s came from its second predecessor
-    cost, (decisions, k) = jax.lax.scan(step, cost0, yt)  # k [d, 4, N]
-    end = jnp.argmin(jnp.stack(cost, axis=-1), axis=-1).astype(jnp.int32)
+    cost, decisions = jax.lax.scan(step, cost0, tuple(errs))
+    end = jnp.argmin(jnp.stack(cost), axis=0).astype(jnp.int32)
 
-    def trace(state, t):
-        pick = (decisions[t].astype(jnp.int32) >> state) & 1
+    def trace(state, x):
+        decided, k0, k1, k2, k3 = x
+        pick = (decided.astype(jnp.int32) >> state) & 1
         prev = (state >> 1) | (pick << 2)
         branch = state & 1
         sub = subset(prev, branch)
-        kt = k[t].astype(jnp.int32)
-        index = jnp.where(sub == 0, kt[0], jnp.where(sub == 1, kt[1], jnp.where(sub == 2, kt[2], kt[3])))
+        index = jnp.where(sub == 0, k0, jnp.where(sub == 1, k1, jnp.where(sub == 2, k2, k3))).astype(jnp.int32)
         return prev, ((index << 1) | branch).astype(jnp.uint8)
 
-    _, out = jax.lax.scan(trace, end, jnp.arange(d - 1, -1, -1))  # [d, N], last coordinate first
-    return out[::-1].T.reshape(shape)
+    _, codes = jax.lax.scan(trace, end, (decisions, *ks), reverse=True)  # [d, N]
+    return codes.T.reshape(shape)
 
 
 def lookup(codes, bits: int):
