@@ -252,7 +252,7 @@ def test_bench_charts_say_which_way_is_better_and_label_fp8_and_presets():
 
 
 def test_turbo_preset_and_norm_bits_flag_reach_the_blobs(tmp_path, capsys):
-    """`--preset turbo-3.5` / `turbo-4` write the preset's blobs (same bytes as
+    """`--preset turbo-3.5` / `turbo-4` / `turbo-4t` write the preset's blobs (same bytes as
     tq_jax.dumps with it); `--norm-bits` overrides the preset's norm codes; inspect
     names them."""
     import tq_jax
@@ -261,7 +261,7 @@ def test_turbo_preset_and_norm_bits_flag_reach_the_blobs(tmp_path, capsys):
     src = tmp_path / "kv.safetensors"
     st.save_file({"kv": x}, src)
     for preset, extra, norm_bits, bits in (("turbo-3.5", (), 6, (4, 3)), ("turbo-3.5", ("--norm-bits", "4"), 4, (4, 3)),
-                                           ("turbo-4", (), 6, (5, 3))):
+                                           ("turbo-4", (), 6, (5, 3)), ("turbo-4t", (), 6, (5, 3))):
         out = tmp_path / f"{preset}-{norm_bits}.safetensors"
         assert cli.main(["compress", str(src), str(out), "--head-dim", "64", "--preset", preset, *extra, "-q"]) == 0
         blob = st.load_file(out)[0]["kv"].tobytes()
@@ -272,6 +272,8 @@ def test_turbo_preset_and_norm_bits_flag_reach_the_blobs(tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(["inspect", str(tmp_path / "turbo-3.5-6.safetensors")]) == 0  # in process: the entry point is tested apart
     assert "6-bit log norms" in capsys.readouterr().out
+    assert cli.main(["inspect", str(tmp_path / "turbo-4t-6.safetensors")]) == 0
+    assert "trellis, 6-bit log norms" in capsys.readouterr().out
 
 
 def test_cli_and_batch_errors_end_with_one_line_and_status_1(tmp_path, capsys):

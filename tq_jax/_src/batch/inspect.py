@@ -35,7 +35,7 @@ def header_labels(h) -> tuple[str, str]:
         skip_first_layers=h.skip_first if kv else 0,
         skip_last_layers=h.skip_last if kv else 0,
         rotation=h.rotation, norm_dtype=h.norm_dtype, norm_bits=h.norm_bits,
-        norm_correction=h.norm_correction, checksum=h.checksum, qjl=h.use_qjl,
+        norm_correction=h.norm_correction, checksum=h.checksum, qjl=h.use_qjl, trellis=h.trellis,
     )
 
 
@@ -47,6 +47,8 @@ def options_label(**o) -> str:
         out.append(o["rotation"])
     if o.get("norm_dtype") == "float32":
         out.append("f32 norms")
+    if o.get("trellis"):
+        out.append("trellis")
     if o.get("norm_bits"):
         out.append(f"{o['norm_bits']}-bit log norms")
     if o.get("norm_correction"):
