@@ -147,3 +147,31 @@ def test_fs_round_trip_w1_turbo_presets(tmp_path, chunks, preset):
         assert y.shape == W1 and y.dtype == torch.bfloat16
         assert mean_cosine(x[0], y[0], 128) >= COSINE_FLOOR[kb] - 0.002  # 6-bit norms: within half a grid step
         assert mean_cosine(x[1], y[1], 128) >= COSINE_FLOOR[vb] - 0.002
+
+
+def test_fs_round_trip_of_turbo_4t_small_chunks(tmp_path):
+    """``"preset": "turbo-4t"`` (trellis-coded indices) through the real StorageManager:
+    the values on disk are tq_jax.dumps' bytes plus the key trailer, of the preset's exact
+    size, and a prefetch gives back what tq_jax.loads decodes from them."""
+    shape, stored = (2, 4, 32, 256), (2, 4, 32, 4, 64)
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randn(shape, generator=g).to(torch.bfloat16) for _ in range(2)]
+    register()
+    events = Events()
+    sm = build_manager({"type": "fs", "base_path": str(tmp_path),
+                        "serde": {"type": "tq_jax", "head_dim": 64, "preset": "turbo-4t"}}, l1_gb=0.05)
+    keys = [key(i, "turbo-4t") for i in range(2)]
+    try:
+        ok, failed, hits, l2_hits, got = store_evict_prefetch(sm, events, keys, data, shape)
+    finally:
+        sm.close()
+        events.stop()
+    assert (ok, failed, hits, l2_hits) == (2, 0, 2, 2), f"prefetch: {events.prefetch_failed}"
+    size = tq_jax.serialized_size(stored, "bfloat16", options="turbo-4t")
+    for x, y in zip(data, got):
+        blob = tq_jax.dumps(dlpack.numpy_view(x).reshape(stored), options="turbo-4t")
+        assert len(blob) == size and tq_jax.peek_header(blob).trellis
+        on_disk = {f.read_bytes()[:size] for f in pathlib.Path(tmp_path).rglob("*.data")}
+        assert blob in on_disk
+        want = np.asarray(tq_jax.loads(blob)).reshape(shape)
+        np.testing.assert_array_equal(dlpack.numpy_view(y).view(np.uint16), want.view(np.uint16))
