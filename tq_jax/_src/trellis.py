@@ -54,7 +54,7 @@ _CACHE_KEYS = 64
 CACHE = _lru.LRU("trellis tables", max_entries=_CACHE_KEYS, max_bytes=4 << 20)  # keyed by a header's (dim, bits)
 
 
-def _check(dim: int, bits: int) -> None:
+def _check(bits: int) -> None:
     if bits not in BITS:
         raise ValueError(
             f"trellis coding takes {BITS.start}..{BITS.stop - 1} bits per coordinate, got {bits!r}: its "
@@ -66,7 +66,7 @@ def _check(dim: int, bits: int) -> None:
 def levels(dim: int, bits: int) -> np.ndarray:
     """``float32 [4, 2**(bits-1)]``: ``levels[j, k]`` is level ``k`` of subset ``D_j``
     (sorted ascending in ``k``), for unit vectors of length ``dim``."""
-    _check(dim, bits)
+    _check(bits)
     base = np.asarray(_codebook.lloyd_max(dim, bits + 1).centroids, np.float32)
     out = np.ascontiguousarray((base * np.float32(SCALES[bits])).reshape(-1, 4).T)
     out.flags.writeable = False
@@ -85,10 +85,10 @@ def decode_table(dim: int, bits: int) -> np.ndarray:
 
 
 # The trellis's shape, as constants of every program: the two states that lead into
-# state s (``PRED[s, k] = (s >> 1) | (k << 2)``), and the subset of that step.
-NEXT = np.arange(STATES)
-PRED = np.stack([(NEXT >> 1) | (k << 2) for k in (0, 1)], axis=1)
-PRED_SUBSET = subset(PRED, (NEXT & 1)[:, None])
+# state s (``_PRED[s, k] = (s >> 1) | (k << 2)``), and the subset of that step.
+_NEXT = np.arange(STATES)
+_PRED = np.stack([(_NEXT >> 1) | (k << 2) for k in (0, 1)], axis=1)
+_PRED_SUBSET = subset(_PRED, (_NEXT & 1)[:, None])
 
 
 def _nearest(v, lv):
@@ -129,8 +129,8 @@ def quantize(y, bits: int):
     def step(cost, err):  # cost: 8 arrays [N]; err: 4 arrays [N]
         new, decided = [], jnp.zeros(err[0].shape, jnp.uint8)
         for s in range(STATES):
-            a = cost[PRED[s, 0]] + err[PRED_SUBSET[s, 0]]
-            b = cost[PRED[s, 1]] + err[PRED_SUBSET[s, 1]]
+            a = cost[_PRED[s, 0]] + err[_PRED_SUBSET[s, 0]]
+            b = cost[_PRED[s, 1]] + err[_PRED_SUBSET[s, 1]]
             second = b < a
             new.append(jnp.where(second, b, a))
             decided = decided | (second.astype(jnp.uint8) << np.uint8(s))
