@@ -279,7 +279,7 @@ def test_docs_vllm_sizes_are_the_serializers():
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "vllm.md").read_text()
     rows = dict(re.findall(r"^\| `(\{\}|\"\w+\": [^`]+)`[^|]*\| ([\d,]+) \|", text, re.M))
-    assert set(rows) == {"{}", '"bits": 4', '"preset": "turbo-3.5"', '"format": "v1"'}
+    assert set(rows) == {"{}", '"bits": 4', '"preset": "turbo-4t"', '"preset": "turbo-3.5"', '"format": "v1"'}
     raw = layout([(30, 256, 384)], [BF16])
     for key, nbytes in rows.items():
         o = registry.parse_options({"head_dim": 64, "kv_layout": "vllm-cpu", **json.loads("{" + key.strip("{}") + "}")})
