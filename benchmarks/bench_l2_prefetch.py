@@ -48,6 +48,7 @@ SETTINGS = {  # the tq_jax serde dicts compared (head_dim and max_workers added)
     "default (turbo-4)": {},
     "4/4 + checksum": {"bits": 4},
     "v1 4-bit (format v1)": {"format": "v1"},
+    "turbo-4t (trellis codes)": {"preset": "turbo-4t"},
 }
 #: What LMCache does without tq_jax, measured beside it: the first hit's ratio to warm ones
 #: that LMCache itself shows, with no serde (raw bf16 values) and with its own ``fp8`` serde
