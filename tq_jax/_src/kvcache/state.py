@@ -313,7 +313,8 @@ def init(
             42: TQ01 v1's), a preset name of :data:`tq_jax.PRESETS` (``"turbo-3.5"``:
             K4V3, ``"turbo-2.5"``: K3V2, both Hadamard with norm correction), or a
             :class:`tq_jax.Options`. The cache uses its ``key_bits``, ``value_bits``,
-            ``rotation``, ``seed`` and ``norm_correction``; norms are float16 in the
+            ``rotation``, ``seed``, ``norm_correction`` and ``trellis`` (trellis codes,
+            ``"turbo-4t"``: :func:`attend` then runs the XLA loop); norms are float16 in the
             cache whatever ``norm_dtype``/``norm_bits`` say (log-coded norms and
             checksums are storage formats of blobs, not of the cache).
         key_bits, value_bits, rotation, seed, norm_correction: override those fields
