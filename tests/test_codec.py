@@ -369,5 +369,5 @@ def test_encode_kernel_cache_is_bounded(monkeypatch):
     for seed in seeds:
         tq_jax.dumps(x, bits=2, seed=seed)
         assert len(codec._encoders) <= 3
-    kept = {key[2] for key in codec._encoders.keys()}  # (dim, bits, seed, rotation, device)
+    kept = {key[2] for key in codec._encoders.keys()}  # (dim, bits, seed, rotation, trellis, device)
     assert kept == set(seeds[-3:]), kept  # oldest first out
