@@ -63,13 +63,13 @@ from __future__ import annotations
 import argparse
 import functools
 import re
-import subprocess
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.studies import report
 from examples.smollm2 import caches as C
 from examples.smollm2 import quality as Q
 from examples.smollm2.model import load_smollm2
@@ -427,17 +427,6 @@ def _centred(x, means, side: int, centre: str):
     return jnp.where(use, r, x)
 
 
-def _commit() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-
-
-def _report(lines: list[str], out: str | None) -> None:
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if out:
-        open(out, "w").write(text)
-
-
 def _lengths(args, argv, means, cands) -> None:
     """The ``--lengths`` report: per entropy-coded candidate, side and page size, how far
     the pages' static-code lengths stray from the design entropy."""
@@ -446,7 +435,7 @@ def _lengths(args, argv, means, cands) -> None:
     lines = [
         "# Entropy-coded codes in fixed-size pages: how much each page's code length strays",
         "",
-        f"`python -m benchmarks.studies.codes_only_directions {' '.join(argv or sys.argv[1:])}` at `{_commit()}`. "
+        f"`python -m benchmarks.studies.codes_only_directions {' '.join(argv or sys.argv[1:])}` at `{report.commit()}`. "
         f"Text `{args.topic}`, {args.seqs} windows, the prefix's {args.prefix} tokens of every layer and KV "
         "head as each candidate codes them (centred where it centres), priced by a static code "
         "(`static_code_bits`: the Gaussian design's cell probabilities, no statistics sent). One page "
@@ -465,7 +454,7 @@ def _lengths(args, argv, means, cands) -> None:
                 lines.append(f"| {c.label} | {'KV'[side]} | {bits:.2f} | {page} | {per.size:,} | {per.mean():.4f} | "
                              f"{per.std():.4f} | {np.quantile(per, 0.999):.4f} | {per.max():.4f} | "
                              f"{per.max() - bits:+.4f} |")
-    _report(lines, args.out)
+    report.write(lines, args.out)
 
 
 def main(argv=None) -> None:
@@ -515,7 +504,7 @@ def main(argv=None) -> None:
         else "# Codes only in SmolLM2's loop: prototype codecs on write",
         "",
         f"`python -m benchmarks.studies.codes_only_directions {' '.join(argv or __import__('sys').argv[1:])}` "
-        f"at `{_commit()}`; {time.perf_counter() - t0:.0f} s. Text `{args.topic}`, {args.seqs} windows, prefix "
+        f"at `{report.commit()}`; {time.perf_counter() - t0:.0f} s. Text `{args.topic}`, {args.seqs} windows, prefix "
         f"{args.prefix}, {args.scored} scored per window, one token per step. Bits per value at head_dim "
         f"{cfg.head_dim} over {seq_len} tokens (module docstring).",
         "",
@@ -533,7 +522,7 @@ def main(argv=None) -> None:
         lines.append(f"| {r.label} | {bpv:.3f} | {', '.join(ent) if any(ent) else ''} | "
                      f"{100 * r.d_ppl:+.2f}% ± {100 * r.d_ppl_se:.2f} | "
                      f"{r.kl:.4f} ± {r.kl_se:.4f} |")
-    _report(lines, args.out)
+    report.write(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.studies.codes_only_directions import _commit, _rotation, gaussian_step
+from benchmarks.studies import report
+from benchmarks.studies.codes_only_directions import _rotation, gaussian_step
 
 D = 64  # SmolLM2's head_dim
 
@@ -382,7 +383,7 @@ def main(argv=None) -> None:
         "# Entropy-coded codes in fixed-size rows and pages: the budget and the decoder",
         "",
         f"`python -m benchmarks.studies.ecsq_coders {' '.join(argv if argv is not None else sys.argv[1:])}` at "
-        f"`{_commit()}`; {time.perf_counter() - t0:.0f} s; jax {jax.__version__} on {device.platform} "
+        f"`{report.commit()}`; {time.perf_counter() - t0:.0f} s; jax {jax.__version__} on {device.platform} "
         f"({device.device_kind}).",
         "",
         f"The code: a canonical Huffman code of the Gaussian design's cell probabilities "

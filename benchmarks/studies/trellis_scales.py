@@ -18,12 +18,12 @@ factor of the sweep, and decoded by the same levels.
 from __future__ import annotations
 
 import argparse
-import subprocess
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.studies import report
 from tq_jax._src import codebook, trellis
 
 SWEEP = np.round(np.arange(0.60, 1.0001, 0.025), 3)
@@ -59,7 +59,7 @@ def main(argv=None) -> None:
     p.add_argument("--vectors", type=int, default=4096)
     p.add_argument("--out")
     args = p.parse_args(argv)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = report.commit()
     lines = [
         "# The trellis's narrowing of its doubled codebook, per bit width",
         "",
@@ -83,10 +83,7 @@ def main(argv=None) -> None:
             lines.append(f"| {d} | {bits} | {best:.3f} | {errs[best]:.3e} | {trellis.SCALES[bits]} → {chosen:.3e} | "
                          f"{scalar:.3e} | {10 * np.log10(scalar / chosen):.2f} |")
             print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        open(args.out, "w").write(text)
+    report.write(lines, args.out)
 
 
 if __name__ == "__main__":

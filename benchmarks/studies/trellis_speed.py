@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import subprocess
 import time
 
 import jax
@@ -27,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import tq_jax
+from benchmarks.studies import report
 
 SHAPES = {"W1 (head_dim 128)": (2, 32, 256, 8, 128), "SmolLM2-135M (head_dim 64)": (2, 30, 256, 3, 64)}
 PRESETS = ("turbo-4", "turbo-4t")
@@ -62,7 +62,7 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--out")
     args = p.parse_args(argv)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = report.commit()
     load = os.getloadavg()[0]
     lines = [
         "# turbo-4t (trellis-coded indices) beside turbo-4: encode and decode time",
@@ -90,10 +90,7 @@ def main(argv=None) -> None:
             f"{ms['turbo-4 decode']:.1f} | {ms['turbo-4t decode']:.1f} | "
             f"{ms['turbo-4t decode'] / ms['turbo-4 decode']:.2f}x |")
         print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        open(args.out, "w").write(text)
+    report.write(lines, args.out)
 
 
 if __name__ == "__main__":

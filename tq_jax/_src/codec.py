@@ -171,8 +171,6 @@ def _build_tables(dim: int, bits: int, seed: int, rotation: str, trellis: bool) 
     else:
         st = _rotation.structured_rotation(dim, seed)
         op = RotationOp(signs=st.signs, odd=st.odd)
-    if trellis:
-        _trellis.levels(dim, bits)  # checks the width
     return _kernels.Tables(op, cb.centroids, cb.boundaries, grid, planar_dense, () if trellis else None)
 
 
